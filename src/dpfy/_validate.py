@@ -41,7 +41,7 @@ def check_positive(name: str, value: float) -> float:
 
 
 def check_count(name: str, value: int, *, minimum: int = 0) -> int:
-    """Require an integer count such as a number of steps (bools and floats with fractions refused)."""
+    """Require a whole count such as a number of steps (bools and fractional floats refused)."""
     if isinstance(value, bool) or not float(value).is_integer():
         raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
     value = int(value)

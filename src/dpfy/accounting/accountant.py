@@ -68,7 +68,7 @@ class Accountant(abc.ABC):
             self._invalidate()
         return self
 
-    def _invalidate(self) -> None:
+    def _invalidate(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Drop cached results after the composition changed (subclasses override)."""
 
     @property
@@ -117,7 +117,9 @@ def make_accountant(
     """Build an accountant by name ('pld' or 'rdp'), with an error that lists the choices."""
     key = str(name).strip().lower()
     if key not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {', '.join(sorted(ACCOUNTANTS))}; got {name!r}")
+        raise ValueError(
+            f"accountant must be one of {', '.join(sorted(ACCOUNTANTS))}; got {name!r}"
+        )
     return ACCOUNTANTS[key](relation)
 
 
