@@ -68,6 +68,10 @@ class Accountant(abc.ABC):
             self._invalidate()
         return self
 
+    def for_search(self) -> Accountant:
+        """An empty accountant of this kind tuned for speed in root finding (still sound)."""
+        return type(self)(self.relation)
+
     def _invalidate(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Drop cached results after the composition changed (subclasses override)."""
 

@@ -266,7 +266,7 @@ def _pure_epsilon(event: DpEvent, relation: NeighbouringRelation) -> float:
 # -- Poisson-sampled Gaussian (Mironov, Talwar & Zhang 2019) ------------------------------------
 _SERIES_BLOCK = 256
 _SERIES_MAX_TERMS = 8192
-_SERIES_LOG_RTOL = -40.0
+_SERIES_LOG_RTOL = -30.0
 
 
 def _poisson_reason(event: PoissonSampledEvent, relation: NeighbouringRelation) -> str | None:
@@ -305,7 +305,7 @@ def _log_moment_integer(q: float, sigma: float, alpha: int) -> float:
 
 
 def _fractional_terms(
-    q: float, sigma: float, alpha: float, z0: float, k: np.ndarray, minus_one: bool
+    q: float, sigma: float, alpha: np.ndarray, z0: float, k: np.ndarray, minus_one: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """Signed log terms k of the two series of MTZ 2019 §3.3 (split of the integral at z₀).
 
@@ -313,6 +313,7 @@ def _fractional_terms(
     (z > z₀), j = α−k: C(α,k) (1−q)^k q^j e^{(j²−j)/(2σ²)} Φ((j−z₀)/σ). With ``minus_one`` the
     first series' terms become weight·(e^{…}Φ − 1), which sums to A_α − 1 because the binomial
     weights sum to 1 for q < 1/2: the value stays accurate when A_α is within 1e-16 of 1.
+    ``alpha`` (a column) and ``k`` (a row) broadcast to one row of terms per order.
     """
     log_binom, sign = _log_abs_binom(alpha, k)
     log_q, log_1mq = math.log(q), math.log1p(-q)
@@ -332,53 +333,57 @@ def _fractional_terms(
         + (j * j - j) / two_var
         + special.log_ndtr((j - z0) / sigma)
     )
-    return np.concatenate([first, second]), np.concatenate([first_sign, sign])
+    return np.concatenate([first, second], axis=-1), np.concatenate([first_sign, sign], axis=-1)
 
 
-def _log_moment_fractional(q: float, sigma: float, alpha: float) -> float:
-    """log A_α at fractional α: both convergent series summed in signed log space.
+def _log_moments_fractional(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
+    """log A_α at fractional orders: both convergent series summed in signed log space.
 
-    Beyond k > α the terms alternate in sign and decay (polynomially far out), so summing block
-    by block until a block adds less than e⁻⁴⁰ of the total bounds the truncation error.
+    Beyond k > α the terms alternate in sign and decay (polynomially far out), so each order
+    sums block by block until a block adds less than e⁻³⁰ of its running total, which bounds the
+    truncation error; all orders still running share one vectorised block.
     """
     z0 = sigma**2 * (math.log1p(-q) - math.log(q)) + 0.5
     minus_one = q < 0.5
-    logs: list[np.ndarray] = []
-    signs: list[np.ndarray] = []
+    total = np.full(alphas.shape, -np.inf)
+    total_sign = np.zeros(alphas.shape)
+    running = np.arange(alphas.size)
     for start in range(0, _SERIES_MAX_TERMS, _SERIES_BLOCK):
-        k = np.arange(start, start + _SERIES_BLOCK, dtype=float)
+        alpha = alphas[running, None]
+        k = np.arange(start, start + _SERIES_BLOCK, dtype=float)[None, :]
         block_logs, block_signs = _fractional_terms(q, sigma, alpha, z0, k, minus_one)
-        logs.append(block_logs)
-        signs.append(block_signs)
-        total, _ = special.logsumexp(
-            np.concatenate(logs), b=np.concatenate(signs), return_sign=True
+        new_total, new_sign = special.logsumexp(
+            np.concatenate([total[running, None], block_logs], axis=1),
+            b=np.concatenate([total_sign[running, None], block_signs], axis=1),
+            axis=1,
+            return_sign=True,
         )
-        largest = float(np.max(np.where(block_signs != 0, block_logs, -np.inf)))
-        if start + _SERIES_BLOCK > alpha + 1 and (
-            largest == -np.inf or largest < total + _SERIES_LOG_RTOL
-        ):
+        total[running], total_sign[running] = new_total, new_sign
+        largest = np.max(np.where(block_signs != 0, block_logs, -np.inf), axis=1)
+        converged = (start + _SERIES_BLOCK > alpha[:, 0] + 1) & (
+            (largest == -np.inf) | (largest < new_total + _SERIES_LOG_RTOL)
+        )
+        running = running[~converged]
+        if running.size == 0:
             break
-    total, total_sign = special.logsumexp(
-        np.concatenate(logs), b=np.concatenate(signs), return_sign=True
-    )
     if not minus_one:
-        return float(total)
-    if total_sign >= 0:
-        return float(np.logaddexp(0.0, total))
-    return float(np.log1p(-min(math.exp(total), 1.0 - 1e-16)))
+        return total
+    with np.errstate(over="ignore"):
+        shifted = total_sign * np.minimum(
+            np.exp(total), np.where(total_sign < 0, 1 - 1e-16, np.inf)
+        )
+    return np.log1p(shifted)
 
 
 @functools.lru_cache(maxsize=512)
 def _sampled_gaussian_cached(q: float, sigma: float, orders: tuple[float, ...]) -> np.ndarray:
     """The sampled-Gaussian curve, cached: calibration asks for the same (q, σ) many times."""
-    values = []
-    for alpha in orders:
-        if _is_integer(alpha):
-            log_moment = _log_moment_integer(q, sigma, int(alpha))
-        else:
-            log_moment = _log_moment_fractional(q, sigma, alpha)
-        values.append(max(log_moment, 0.0) / (alpha - 1))
-    curve = np.array(values, dtype=float)
+    grid = np.array(orders, dtype=float)
+    integer = np.array([_is_integer(a) for a in orders], dtype=bool)
+    log_moment = np.empty_like(grid)
+    log_moment[integer] = [_log_moment_integer(q, sigma, int(a)) for a in grid[integer]]
+    log_moment[~integer] = _log_moments_fractional(q, sigma, grid[~integer])
+    curve = np.maximum(log_moment, 0.0) / (grid - 1)
     curve.flags.writeable = False
     return curve
 
