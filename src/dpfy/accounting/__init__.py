@@ -10,6 +10,14 @@ from dpfy.accounting.accountant import (
     compute_epsilon,
     make_accountant,
 )
+from dpfy.accounting.calibrate import (
+    CalibrationError,
+    FixedRatioSetting,
+    calibrate_noise_multiplier,
+    max_steps,
+    settings_at_fixed_ratio,
+    smallest_noise_multiplier,
+)
 from dpfy.accounting.events import (
     ComposedEvent,
     DpEvent,
@@ -25,24 +33,36 @@ from dpfy.accounting.events import (
     TrialDistribution,
     dpsgd_event,
 )
+from dpfy.accounting.pld import PldAccountant, PldPrecision
+from dpfy.accounting.rdp import GridEdgeWarning, RdpAccountant
 
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
+    "CalibrationError",
     "ComposedEvent",
     "DpEvent",
+    "FixedRatioSetting",
     "FixedSizeSampledEvent",
     "GaussianEvent",
+    "GridEdgeWarning",
     "LaplaceEvent",
     "NeighbouringRelation",
     "NoOpEvent",
+    "PldAccountant",
+    "PldPrecision",
     "PoissonSampledEvent",
     "PureDpEvent",
+    "RdpAccountant",
     "RepeatAndSelectEvent",
     "SelfComposedEvent",
     "TrialDistribution",
     "UnsupportedEventError",
+    "calibrate_noise_multiplier",
     "compute_epsilon",
     "dpsgd_event",
     "make_accountant",
+    "max_steps",
+    "settings_at_fixed_ratio",
+    "smallest_noise_multiplier",
 ]
