@@ -90,7 +90,9 @@ def check_orders(orders: Sequence[float] | np.ndarray | None) -> np.ndarray:
     return np.unique(np.array(values, dtype=float))
 
 
-def _check_curve(rdp: Sequence[float] | np.ndarray, orders: Sequence[float] | np.ndarray) -> tuple:
+def _check_curve(
+    rdp: Sequence[float] | np.ndarray, orders: Sequence[float] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """An RDP curve must be non-negative (∞ allowed) and match its grid entry by entry."""
     orders = np.asarray(orders, dtype=float)
     rdp = np.asarray(rdp, dtype=float)
@@ -518,12 +520,12 @@ def _composed_curve(
 # -- conversion to (ε, δ) (Canonne, Kamath & Steinke 2020, Prop. 12) ----------------------------
 def _epsilon_per_order(rdp: np.ndarray, orders: np.ndarray, delta: float) -> np.ndarray:
     """ε at each order: ε_α + log(1 − 1/α) − (log δ + log α)/(α − 1)."""
-    return rdp + np.log1p(-1.0 / orders) - (math.log(delta) + np.log(orders)) / (orders - 1)
+    return rdp - (math.log(delta) + np.log(orders)) / (orders - 1)
 
 
 def _log_delta_per_order(rdp: np.ndarray, orders: np.ndarray, epsilon: np.ndarray) -> np.ndarray:
     """log δ at each order (columns) for each ε (rows): the same bound solved for δ."""
-    epsilon = np.asarray(epsilon, dtype=float)[..., None]
+    epsilon = np.atleast_1d(np.asarray(epsilon, dtype=float))[:, None]
     with np.errstate(invalid="ignore"):
         log_delta = (orders - 1) * (rdp - epsilon + np.log1p(-1.0 / orders)) - np.log(orders)
     return np.where(np.isnan(log_delta), np.inf, log_delta)

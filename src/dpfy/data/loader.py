@@ -1,0 +1,202 @@
+"""A torch DataLoader whose batches come from a DP sampler, empty batches included.
+
+``DPDataLoader`` is a plain ``torch.utils.data.DataLoader`` (workers, pinning and the rest work as
+usual) built on one of the samplers of :mod:`dpfy.data.sampling`. An empty Poisson batch is still
+a DP-SGD step (DESIGN rule 3), so instead of crashing in ``collate([])`` it yields tensors shaped
+like a real batch with zero rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+
+from dpfy._validate import check_count
+from dpfy.accounting.events import DpEvent
+from dpfy.data.records import SamplingKind, SamplingRecord
+from dpfy.data.sampling import DpBatchSampler, _check_batch_size, make_sampler
+
+_RESERVED = ("batch_size", "shuffle", "batch_sampler", "drop_last")
+
+
+class DPDataLoader(DataLoader):
+    """Batches drawn by a DP sampler; q = B/N from the dataset size and expected batch size.
+
+    One pass over the loader yields exactly ``steps`` batches: by default one epoch, ``N // B``
+    steps, so the usual ``for epoch in range(E): for batch in loader`` loop works; ``epochs=E``
+    instead makes one pass the whole run (``E · N // B`` steps).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        steps: int | None = None,
+        epochs: int | None = None,
+        sampler: SamplingKind | str = SamplingKind.POISSON,
+        generator: torch.Generator | None = None,
+        secure: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        dataset_size = _dataset_size(dataset)
+        batch_size = _check_batch_size(dataset_size, batch_size)
+        for name in (*_RESERVED, "sampler"):
+            if name in dataloader_kwargs:
+                raise ValueError(f"DPDataLoader chooses {name} itself; do not pass it")
+        per_epoch = dataset_size // batch_size
+        steps = _resolve_steps(steps, epochs, per_epoch)
+        batch_sampler = make_sampler(
+            sampler, dataset_size, batch_size, steps, generator, secure=secure
+        )
+        collate = collate_fn if collate_fn is not None else default_collate
+        super().__init__(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=EmptyBatchCollate(collate, empty_batch_like(collate, dataset)),
+            **dataloader_kwargs,
+        )
+        self.expected_batch_size = batch_size
+        self.steps_per_epoch = per_epoch
+        self._consumed = 0  # batches handed out in the current pass
+
+    @property
+    def dp_sampler(self) -> DpBatchSampler:
+        """The sampler drawing the batches (also ``self.batch_sampler``)."""
+        return self.batch_sampler
+
+    @property
+    def sampling_rate(self) -> float:
+        """q = B/N."""
+        return self.dp_sampler.sampling_rate
+
+    @property
+    def sampling_record(self) -> SamplingRecord:
+        """How batches are drawn, for the ledger and report (DESIGN rule 4)."""
+        return self.dp_sampler.record
+
+    def step_event(self, noise_multiplier: float) -> DpEvent:
+        """The event one step accounts at noise multiplier σ."""
+        return self.dp_sampler.step_event(noise_multiplier)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Iterate as DataLoader does, counting batches handed out for exact checkpoints."""
+        pending = self.dp_sampler._resume_at
+        self._consumed = pending if pending is not None and pending < len(self) else 0
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler state as of the batches handed out (not those prefetched by workers)."""
+        return self.dp_sampler.state_dict(position=self._consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next pass continues where the checkpointed one stopped."""
+        self.dp_sampler.load_state_dict(state)
+        self._consumed = self.dp_sampler._position
+
+
+class EmptyBatchCollate:
+    """Collate non-empty batches as usual; answer an empty one with a zero-row template.
+
+    A class rather than a closure so that worker processes can pickle it.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], empty: Any) -> None:
+        self.collate_fn = collate_fn
+        self.empty = empty
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if len(samples) == 0:
+            return _clone_structure(self.empty)
+        return self.collate_fn(samples)
+
+
+def empty_batch_like(collate_fn: Callable[[list[Any]], Any], dataset: Dataset) -> Any:
+    """The batch of zero examples: ``collate([dataset[0]])`` with its batch dimension cut to 0.
+
+    Reads ``dataset[0]`` once, for its shapes and dtypes only; every example is assumed to share
+    them (a padding collate gets the width of example 0). Tensors, numpy arrays, numbers, strings
+    and tuples, lists, dicts or namedtuples of them are supported.
+    """
+    try:
+        one = collate_fn([dataset[0]])
+    except Exception as err:
+        raise ValueError(
+            f"could not collate dataset[0] to learn the batch shape for empty batches: {err}"
+        ) from err
+    return _cut_to_zero(one)
+
+
+def _cut_to_zero(value: Any) -> Any:
+    """Keep the structure and trailing shapes, drop every row."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise ValueError(
+                "the collated batch holds a 0-d tensor, which has no batch dimension to empty; "
+                "return batch-first tensors from collate_fn"
+            )
+        return value[:0].clone()
+    if isinstance(value, Mapping):
+        return type(value)({k: _cut_to_zero(v) for k, v in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_cut_to_zero(v) for v in value))
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if isinstance(value, list) and value and not _holds_batches(value):
+            return []  # a list of per-example items (e.g. strings): empty list
+        return type(value)(_cut_to_zero(v) for v in value)
+    raise ValueError(
+        f"cannot build an empty batch from a collated {type(value).__name__}; make collate_fn "
+        "return batch-first tensors (or containers of them)"
+    )
+
+
+def _holds_batches(items: list[Any]) -> bool:
+    """Whether a collated list is a container of batches rather than a batch of items."""
+    return all(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in items)
+
+
+def _clone_structure(value: Any) -> Any:
+    """A fresh copy of the template so callers may modify what they receive."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, Mapping):
+        return type(value)({k: _clone_structure(v) for k, v in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_clone_structure(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone_structure(v) for v in value)
+    return value
+
+
+def _dataset_size(dataset: Dataset) -> int:
+    """The number of examples N; an iterable or empty dataset is refused with the fix."""
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            "DP sampling needs random access to the examples; pass a map-style Dataset "
+            "(one with __len__ and __getitem__), not an IterableDataset"
+        )
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise ValueError("the dataset must define __len__ so q = B/N can be computed") from None
+    if size == 0:
+        raise ValueError("the dataset is empty: add examples before building a DPDataLoader")
+    return size
+
+
+def _resolve_steps(steps: int | None, epochs: int | None, per_epoch: int) -> int:
+    """Steps per pass from ``steps`` or ``epochs`` (not both); one epoch by default."""
+    if steps is not None and epochs is not None:
+        raise ValueError("pass steps or epochs, not both")
+    if steps is not None:
+        return check_count("steps", steps, minimum=1)
+    if epochs is not None:
+        return max(1, math.floor(check_count("epochs", epochs, minimum=1) * per_epoch))
+    return per_epoch

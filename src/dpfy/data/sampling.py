@@ -1,0 +1,380 @@
+"""Batch samplers that draw indices the way the accountant assumes, and say how they drew them.
+
+:class:`PoissonSampler` is the default and the only one whose accounting assumption is met at
+every step (guide alg. 1, §4.3): each index joins each batch independently with probability
+q = B/N, batch sizes vary, and an empty batch is yielded as ``[]`` — it is still a step (DESIGN
+rule 3). :class:`ShuffleSampler` and :class:`FixedSizeSampler` exist only as explicit choices and
+their :class:`~dpfy.data.records.SamplingRecord` says plainly that they are not Poisson.
+
+A sampler is a stream of batches: one iteration (a *pass*) yields exactly ``steps`` batches and
+the next pass continues the same random stream. ``state_dict()`` / ``load_state_dict()`` capture
+the stream and the position inside the pass, so a resumed run draws the very batches an
+uninterrupted one would have drawn.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch.utils.data import Sampler
+
+from dpfy._validate import check_count, check_sampling_rate
+from dpfy.accounting.events import DpEvent
+from dpfy.data.randomness import RandomSource, make_source
+from dpfy.data.records import SamplingKind, SamplingRecord
+
+_STATE_VERSION = 1
+
+# How many recent positions a sampler can still report state for. A DataLoader with workers
+# draws batches ahead of the ones it has handed out (num_workers × prefetch_factor), so the
+# loader asks for the state as of the batches *consumed*, which may lie a little behind.
+_HISTORY = 1024
+
+
+class DpBatchSampler(Sampler[list[int]], abc.ABC):
+    """Shared machinery: a pass of ``steps`` batches, a random source, resumable snapshots."""
+
+    kind: ClassVar[SamplingKind]
+
+    def __init__(
+        self,
+        dataset_size: int,
+        steps: int,
+        generator: torch.Generator | None = None,
+        *,
+        secure: bool = False,
+    ) -> None:
+        self.dataset_size = check_count("dataset_size", dataset_size, minimum=1)
+        self.steps = check_count("steps", steps, minimum=1)
+        self._source: RandomSource = make_source(generator, secure)
+        self._position = 0  # batches drawn in the current pass
+        self._resume_at: int | None = None  # set by load_state_dict, consumed by __iter__
+        self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=_HISTORY)
+        self._history.append(self._snapshot())
+
+    # -- what the sampler tells the ledger -----------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def record(self) -> SamplingRecord:
+        """How this sampler draws batches (DESIGN rule 4)."""
+
+    def step_event(self, noise_multiplier: float) -> DpEvent:
+        """The event the ledger accounts for one step at noise multiplier σ."""
+        return self.record.event(noise_multiplier)
+
+    @property
+    def sampling_rate(self) -> float:
+        """q, from the dataset size and the (expected) batch size."""
+        return self.record.sampling_rate
+
+    @property
+    def secure(self) -> bool:
+        """Whether decisions come from the OS CSPRNG."""
+        return self._source.secure
+
+    # -- iteration -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield the remaining batches of the pass: all ``steps`` of them unless resuming."""
+        if self._resume_at is not None:
+            start, self._resume_at = self._resume_at, None
+            if start >= self.steps:
+                start = 0
+        else:
+            start = 0
+        self._position = start
+        self._history.clear()
+        self._history.append(self._snapshot())
+        for _ in range(start, self.steps):
+            batch = self._draw().tolist()
+            self._position += 1
+            self._history.append(self._snapshot())
+            yield batch
+
+    @abc.abstractmethod
+    def _draw(self) -> torch.Tensor:
+        """The next batch's indices."""
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        """Everything needed to continue from the current position."""
+        return {"position": self._position, "rng": self._source.get_state(), **self._context()}
+
+    def _context(self) -> dict[str, Any]:
+        """Sampler-specific stream state beyond the random source (e.g. the epoch permutation)."""
+        return {}
+
+    def _restore_context(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`_context`; validates what it reads."""
+
+    def _identity(self) -> dict[str, Any]:
+        """The configuration a checkpoint must match to be loaded here."""
+        return {
+            "kind": self.kind.value,
+            "dataset_size": self.dataset_size,
+            "steps": self.steps,
+            "sampling_rate": self.sampling_rate,
+            "secure": self.secure,
+        }
+
+    def state_dict(self, position: int | None = None) -> dict[str, Any]:
+        """The stream state after ``position`` batches of the current pass (default: all drawn).
+
+        ``position`` lets a DataLoader that prefetches report the state as of the batches it has
+        actually handed out; it must be one of the last ~1000 positions drawn.
+        """
+        if position is None:
+            snapshot = self._history[-1]
+        else:
+            matches = [s for s in self._history if s["position"] == position]
+            if not matches:
+                drawn = [s["position"] for s in self._history]
+                raise ValueError(
+                    f"no sampler state for position {position} of this pass "
+                    f"(known: {drawn[0]}..{drawn[-1]})"
+                )
+            snapshot = matches[-1]
+        state = {"version": _STATE_VERSION, **self._identity(), **snapshot}
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the stream: the next iteration continues the interrupted pass.
+
+        Refuses (ValueError, nothing changed) a state written by a sampler of another kind,
+        dataset size, rate, pass length or randomness source.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"unsupported sampler state version {state.get('version')!r} "
+                f"(this dpfy reads version {_STATE_VERSION})"
+            )
+        for key, mine in self._identity().items():
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"sampler state mismatch: checkpoint has {key}={state.get(key)!r}, this "
+                    f"sampler has {key}={mine!r}; build the sampler with the checkpoint's settings"
+                )
+        saved_rng, saved_context = self._source.get_state(), self._context()
+        try:
+            position = check_count("position", state["position"])
+            if position > self.steps:
+                raise ValueError(f"position {position} exceeds the pass length {self.steps}")
+            self._source.set_state(state["rng"])
+            self._restore_context(state)
+        except (ValueError, TypeError, KeyError, RuntimeError) as err:
+            self._source.set_state(saved_rng)
+            self._restore_context(saved_context)
+            raise ValueError(f"corrupt sampler state: {err}") from None
+        self._position = position
+        self._resume_at = position
+        self._history.clear()
+        self._history.append(self._snapshot())
+
+
+class PoissonSampler(DpBatchSampler):
+    """Each step, every index joins the batch independently with probability q (guide alg. 1).
+
+    Batch sizes are Binomial(N, q); an empty batch is yielded as ``[]``, never skipped. Build it
+    from the expected batch size with :meth:`from_batch_size` (q = B/N), not from a loader length.
+    """
+
+    kind = SamplingKind.POISSON
+
+    def __init__(
+        self,
+        dataset_size: int,
+        sampling_rate: float,
+        steps: int,
+        generator: torch.Generator | None = None,
+        *,
+        secure: bool = False,
+    ) -> None:
+        self._sampling_rate = check_sampling_rate(sampling_rate)
+        super().__init__(dataset_size, steps, generator, secure=secure)
+
+    @classmethod
+    def from_batch_size(
+        cls,
+        dataset_size: int,
+        expected_batch_size: int,
+        steps: int,
+        generator: torch.Generator | None = None,
+        *,
+        secure: bool = False,
+    ) -> PoissonSampler:
+        """q = B/N from the dataset size and the expected batch size."""
+        return cls(
+            dataset_size,
+            sampling_rate_for(dataset_size, expected_batch_size),
+            steps,
+            generator,
+            secure=secure,
+        )
+
+    @property
+    def expected_batch_size(self) -> float:
+        """qN, the batch size DP-SGD divides by (DESIGN rule 1)."""
+        return self._sampling_rate * self.dataset_size
+
+    @property
+    def record(self) -> SamplingRecord:
+        """Poisson at rate q: the accounting assumption is met."""
+        return SamplingRecord(SamplingKind.POISSON, self._sampling_rate, self.dataset_size)
+
+    def _draw(self) -> torch.Tensor:
+        return self._source.bernoulli_indices(self.dataset_size, self._sampling_rate)
+
+
+class FixedSizeSampler(DpBatchSampler):
+    """Each step, ``batch_size`` distinct indices drawn uniformly without replacement.
+
+    Not Poisson. Its honest event is ``FixedSizeSampledEvent``, which only the RDP accountant
+    bounds, under replace-one adjacency.
+    """
+
+    kind = SamplingKind.FIXED_SIZE
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        steps: int,
+        generator: torch.Generator | None = None,
+        *,
+        secure: bool = False,
+    ) -> None:
+        self.batch_size = _check_batch_size(dataset_size, batch_size)
+        super().__init__(dataset_size, steps, generator, secure=secure)
+
+    @property
+    def record(self) -> SamplingRecord:
+        """Fixed-size subsampling: honest event, valid under replace-one only."""
+        return SamplingRecord(
+            SamplingKind.FIXED_SIZE,
+            self.batch_size / self.dataset_size,
+            self.dataset_size,
+            self.batch_size,
+        )
+
+    def _draw(self) -> torch.Tensor:
+        return self._source.choice(self.dataset_size, self.batch_size)
+
+
+class ShuffleSampler(DpBatchSampler):
+    """Shuffle once per epoch and cut the permutation into ``N // B`` batches of exactly B.
+
+    The ``N mod B`` examples left at the end of a permutation are skipped that epoch. Not
+    Poisson: it is accounted under the Poisson assumption and the record says that assumption is
+    not met (guide §4.3). The permutation carries across passes, so every example is seen once per
+    epoch however the passes are cut.
+    """
+
+    kind = SamplingKind.SHUFFLE
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        secure: bool = False,
+    ) -> None:
+        self.batch_size = _check_batch_size(dataset_size, batch_size)
+        self._permutation: torch.Tensor | None = None
+        self._offset = 0  # batches already cut from the current permutation
+        if steps is None:
+            steps = dataset_size // self.batch_size
+        super().__init__(dataset_size, steps, generator, secure=secure)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """N // B full batches per permutation."""
+        return self.dataset_size // self.batch_size
+
+    @property
+    def record(self) -> SamplingRecord:
+        """Shuffled batches, accounted as Poisson at q = B/N with the assumption flagged unmet."""
+        return SamplingRecord(
+            SamplingKind.SHUFFLE,
+            self.batch_size / self.dataset_size,
+            self.dataset_size,
+            self.batch_size,
+        )
+
+    def _draw(self) -> torch.Tensor:
+        if self._permutation is None or self._offset >= self.batches_per_epoch:
+            self._permutation = self._source.permutation(self.dataset_size)
+            self._offset = 0
+        start = self._offset * self.batch_size
+        self._offset += 1
+        return self._permutation[start : start + self.batch_size]
+
+    def _context(self) -> dict[str, Any]:
+        return {"permutation": self._permutation, "offset": self._offset}
+
+    def _restore_context(self, state: dict[str, Any]) -> None:
+        permutation, offset = state["permutation"], check_count("offset", state["offset"])
+        if permutation is not None:
+            if not isinstance(permutation, torch.Tensor) or permutation.shape != (
+                self.dataset_size,
+            ):
+                raise ValueError(f"permutation must be a tensor of {self.dataset_size} indices")
+            permutation = permutation.to(torch.int64)
+        if offset > self.batches_per_epoch:
+            raise ValueError(f"offset {offset} exceeds {self.batches_per_epoch} batches per epoch")
+        self._permutation, self._offset = permutation, offset
+
+
+def sampling_rate_for(dataset_size: int, batch_size: int) -> float:
+    """q = B/N, with one clear error when the pair cannot describe a sampler."""
+    return _check_batch_size(dataset_size, batch_size) / check_count(
+        "dataset_size", dataset_size, minimum=1
+    )
+
+
+def _check_batch_size(dataset_size: int, batch_size: int) -> int:
+    """A (expected) batch size must lie in [1, N]; the message names the fix."""
+    dataset_size = check_count("dataset_size", dataset_size, minimum=0)
+    if dataset_size == 0:
+        raise ValueError("the dataset is empty: there is nothing to train on privately")
+    try:
+        batch_size = check_count("batch_size", batch_size, minimum=1)
+    except ValueError:
+        raise ValueError(
+            f"batch_size must be a whole number of examples >= 1, got {batch_size!r}; pass the "
+            "expected batch size B (the sampling rate is q = B/N)"
+        ) from None
+    if batch_size > dataset_size:
+        raise ValueError(
+            f"batch_size {batch_size} exceeds the dataset size {dataset_size}; lower batch_size "
+            "to at most the number of examples"
+        )
+    return batch_size
+
+
+def make_sampler(
+    kind: SamplingKind | str,
+    dataset_size: int,
+    batch_size: int,
+    steps: int,
+    generator: torch.Generator | None = None,
+    *,
+    secure: bool = False,
+) -> DpBatchSampler:
+    """Build a sampler by kind name ('poisson', 'shuffle', 'fixed-size')."""
+    kind = SamplingKind.parse(kind)
+    if kind is SamplingKind.POISSON:
+        return PoissonSampler.from_batch_size(
+            dataset_size, batch_size, steps, generator, secure=secure
+        )
+    cls = ShuffleSampler if kind is SamplingKind.SHUFFLE else FixedSizeSampler
+    return cls(dataset_size, batch_size, steps, generator, secure=secure)

@@ -1,0 +1,160 @@
+"""Hooks that record, for each layer call, its inputs and the gradients of its outputs.
+
+The captured tensors live in :class:`Call` objects held by the engine's :class:`Taps`, never on
+``Parameter`` objects. A :class:`Call` is what a layer rule (or the vmap engine) reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["Call", "Tap", "Taps", "output_tensors"]
+
+
+@dataclasses.dataclass
+class Call:
+    """One forward call of one layer: positional inputs, output gradients, and clipping layout.
+
+    ``inputs`` and ``grads`` are batch-first once the engine has prepared the call; ``group`` is
+    the number of consecutive examples per clipping unit (1, or the microbatch size) and the
+    batch size is then a multiple of it. ``grads[j]`` belongs to the j-th output that required
+    grad (position ``out_index[j]`` among the output's tensors); it is None until backward
+    reaches it (None after backward: the output was unused).
+    """
+
+    inputs: tuple[Any, ...]
+    grads: list[Tensor | None]
+    out_meta: list[tuple[torch.Size, torch.dtype, torch.device]]
+    out_index: list[int]
+    versions: tuple[int | None, ...]
+    trainable: frozenset[str]
+    group: int = 1
+
+    @property
+    def batch_size(self) -> int:
+        """Number of examples in this call (first tensor input, batch-first)."""
+        first = next(x for x in self.inputs if isinstance(x, Tensor))
+        return first.shape[0]
+
+    @property
+    def num_units(self) -> int:
+        """Number of clipping units: examples, or microbatches of ``group`` examples."""
+        return self.batch_size // self.group
+
+    def stale_input(self) -> bool:
+        """True when an input was modified in place after the layer read it."""
+        return any(
+            isinstance(x, Tensor) and v is not None and x._version != v
+            for x, v in zip(self.inputs, self.versions, strict=True)
+        )
+
+
+@dataclasses.dataclass
+class Tap:
+    """A layer watched by the engine: its trainable parameter names and the calls seen so far."""
+
+    name: str
+    module: nn.Module
+    trainable: frozenset[str]
+    skip_param_grad: bool
+    calls: list[Call] = dataclasses.field(default_factory=list)
+    frozen: list[nn.Parameter] = dataclasses.field(default_factory=list)
+
+
+def output_tensors(value: Any) -> Iterable[Tensor]:
+    """The tensors of a module output (a tensor, or a tuple/list that holds some)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from output_tensors(item)
+
+
+class Taps:
+    """Registers and removes the capture hooks on a set of layers; holds their captured calls."""
+
+    def __init__(self, taps: list[Tap]) -> None:
+        self.taps = taps
+        self.active = True
+        self._handles: list[RemovableHandle] = []
+
+    def attach(self) -> None:
+        """Register one forward pre-hook and one forward hook per watched layer."""
+        for tap in self.taps:
+            self._handles.append(tap.module.register_forward_pre_hook(partial(self._pre, tap)))
+            self._handles.append(
+                tap.module.register_forward_hook(partial(self._post, tap), always_call=True)
+            )
+
+    def remove(self) -> None:
+        """Remove every hook and give back any parameter still switched off by a pre-hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for tap in self.taps:
+            self._unfreeze(tap)
+            tap.calls.clear()
+
+    def take(self) -> list[Tap]:
+        """The taps that captured at least one call; the caller must clear them afterwards."""
+        return [tap for tap in self.taps if tap.calls]
+
+    def clear(self) -> None:
+        """Drop every captured call (frees activations and output gradients)."""
+        for tap in self.taps:
+            tap.calls.clear()
+
+    def _pre(self, tap: Tap, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Stop autograd computing this layer's ordinary parameter gradient (wasted work)."""
+        if not (self.active and tap.skip_param_grad and torch.is_grad_enabled()):
+            return
+        floats = [x for x in args if isinstance(x, Tensor) and x.is_floating_point()]
+        if not floats or not all(x.requires_grad for x in floats):
+            return  # an output could lose its graph; let autograd compute (we discard) it
+        for name in tap.trainable:
+            param = getattr(module, name)
+            if param.requires_grad:
+                param.requires_grad_(False)
+                tap.frozen.append(param)
+
+    def _post(self, tap: Tap, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Restore the parameters, keep the inputs, and hook the gradient of each output."""
+        self._unfreeze(tap)
+        if not (self.active and torch.is_grad_enabled()):
+            return
+        every = list(output_tensors(output))
+        index = [j for j, t in enumerate(every) if t.requires_grad]
+        if not index:
+            return
+        outputs = [every[j] for j in index]
+        call = Call(
+            inputs=tuple(args),
+            grads=[None] * len(outputs),
+            out_meta=[(t.shape, t.dtype, t.device) for t in outputs],
+            out_index=index,
+            versions=tuple(x._version if isinstance(x, Tensor) else None for x in args),
+            trainable=tap.trainable,
+        )
+        tap.calls.append(call)
+        for j, out in enumerate(outputs):
+            out.register_hook(partial(_store_grad, call, j))
+
+    @staticmethod
+    def _unfreeze(tap: Tap) -> None:
+        """Switch ``requires_grad`` back on for the parameters a pre-hook switched off."""
+        for param in tap.frozen:
+            param.requires_grad_(True)
+        tap.frozen.clear()
+
+
+def _store_grad(call: Call, index: int, grad: Tensor) -> None:
+    """Tensor hook: keep the gradient of one output (summed if it arrives in parts)."""
+    previous = call.grads[index]
+    call.grads[index] = grad if previous is None else previous + grad

@@ -1,0 +1,234 @@
+"""The engine interface shared by the fast and vmap engines: clip, accumulate, hand over.
+
+An engine watches a model through hooks. After the user's ordinary ``loss.backward()``,
+:meth:`GradEngine.clip_and_accumulate` turns what the hooks captured into per-unit gradient norms
+(a unit is one example, or one microbatch), clips each unit to ``max_grad_norm`` and adds the
+clipped sum into an accumulator, so several physical batches can form one logical batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from dpfy._validate import check_count, check_positive
+from dpfy.grads.capture import Call, Tap, Taps
+from dpfy.grads.registry import find_rule
+from dpfy.grads.substitutions import Substitution, restore
+
+__all__ = ["ClipResult", "GradEngine", "LossReduction"]
+
+LossReduction = Literal["mean", "sum"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipResult:
+    """What one ``clip_and_accumulate`` did: unclipped unit norms and how many examples it saw.
+
+    ``norms`` holds one entry per clipping unit (per example, or per microbatch), computed
+    before clipping, detached; ``num_units`` is its length.
+    """
+
+    norms: Tensor
+    num_examples: int
+    num_units: int
+
+
+class GradEngine:
+    """Base of both engines: hooks, accumulator, loss scaling, clipping, hand-over, detach."""
+
+    kind: str = ""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        taps: list[Tap],
+        *,
+        batch_first: bool,
+        substitutions: list[Substitution],
+        param_names: dict[int, str],
+        fallback_reason: str | None = None,
+    ) -> None:
+        self.model = model
+        self.batch_first = batch_first
+        self.fallback_reason = fallback_reason
+        self._substitutions = substitutions
+        self._names = param_names  # id(param) → name in the original model
+        self.params: dict[str, nn.Parameter] = {}
+        for tap in taps:
+            for local in sorted(tap.trainable):
+                param = getattr(tap.module, local)
+                self.params[param_names[id(param)]] = param
+        self._acc: dict[str, Tensor] = {}
+        self.num_examples = 0  # examples accumulated since the last reset
+        self._taps = Taps(taps)
+        self._taps.attach()
+        self._attached = True
+
+    # ---------------------------------------------------------------- public API
+
+    def clip_and_accumulate(
+        self,
+        max_grad_norm: float,
+        loss_reduction: LossReduction = "mean",
+        *,
+        microbatch_size: int | None = None,
+    ) -> ClipResult:
+        """Clip each unit's gradient to ``max_grad_norm`` and add the clipped sum to the total.
+
+        Call once after each ``loss.backward()``. ``loss_reduction`` says how the loss combined
+        the examples: ``"mean"`` (loss = (1/n) Σ ℓᵢ) or ``"sum"``. With ``microbatch_size=k``,
+        groups of k consecutive examples are averaged and the *average* is clipped (guide alg. 3;
+        its sensitivity is 2C, the optimizer must add noise accordingly); a last, smaller group
+        is averaged over its own size. Afterwards every trainable ``p.grad`` is None: the
+        non-private gradient of the backward pass is discarded so it cannot be used by accident.
+        An empty batch (or no backward since the last call) adds nothing and reports 0 examples.
+        """
+        self._require_attached()
+        clip = check_positive("max_grad_norm", max_grad_norm)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        group = 1 if microbatch_size is None else check_count("microbatch_size", microbatch_size)
+        if group < 1:
+            raise ValueError(f"microbatch_size must be a whole number >= 1, got {group!r}")
+        self._taps.active = False  # engines may call watched layers themselves
+        try:
+            calls = self._collect_calls()
+            n = self._batch_size(calls)
+            if n == 0:
+                return ClipResult(torch.zeros(0), 0, 0)
+            units = -(-n // group)
+            sizes = torch.full((units,), float(group))
+            sizes[-1] = n - (units - 1) * group
+            base = float(n) if loss_reduction == "mean" else 1.0
+            scale = base / sizes  # unit gradient = scale · (sum of captured gradients)
+            sq = self._unit_sq_norms(calls, n, group)
+            scale = scale.to(sq.device, sq.dtype)
+            norms = sq.clamp_min(0).sqrt() * scale
+            factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+            for name, value in self._unit_weighted_sums(factors * scale).items():
+                self._add(name, value)
+            self.num_examples += n
+            return ClipResult(norms.detach(), n, units)
+        finally:
+            self._release()
+
+    def summed_grads(self) -> dict[str, Tensor]:
+        """The accumulated clipped sum for every trainable parameter (zeros where none came)."""
+        return {
+            name: self._acc[name] if name in self._acc else torch.zeros_like(param)
+            for name, param in self.params.items()
+        }
+
+    def write_grads(self) -> None:
+        """Put the accumulated clipped sum into each trainable ``p.grad`` (zeros where none)."""
+        for name, value in self.summed_grads().items():
+            self.params[name].grad = value.clone()
+
+    def reset(self) -> None:
+        """Forget the accumulated clipped sum and example count (start a new logical batch)."""
+        self._acc.clear()
+        self.num_examples = 0
+
+    def detach(self) -> None:
+        """Remove every hook and substitution: the model is exactly as before ``make_engine``."""
+        if not self._attached:
+            return
+        self._taps.remove()
+        restore(self._substitutions)
+        self._substitutions = []
+        self._attached = False
+
+    # ---------------------------------------------------------------- engine-specific parts
+
+    def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], n: int, group: int) -> Tensor:
+        """Squared gradient norm of each clipping unit, before loss scaling."""
+        raise NotImplementedError
+
+    def _unit_weighted_sums(self, weights: Tensor) -> dict[str, Tensor]:
+        """Σ_u weights[u]·grad_u by parameter name, for the calls of the last norms."""
+        raise NotImplementedError
+
+    def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
+        """Engine-specific refusals (the fast engine refuses repeated calls)."""
+
+    # ---------------------------------------------------------------- helpers
+
+    def _collect_calls(self) -> list[tuple[Tap, Call]]:
+        """Calls whose outputs got gradients, checked; also catches parameters used unseen."""
+        seen: list[tuple[Tap, Call]] = []
+        for tap in self._taps.take():
+            live = [c for c in tap.calls if any(g is not None for g in c.grads)]
+            self._check_calls(tap, live)
+            for call in live:
+                if call.stale_input():
+                    raise RuntimeError(
+                        f"an input of layer '{tap.name}' was modified in place after the layer "
+                        "used it; its per-example gradients cannot be computed"
+                    )
+                seen.append((tap, call))
+        covered = {id(getattr(t.module, p)) for t, _ in seen for p in t.trainable}
+        for name, param in self.params.items():
+            if param.grad is not None and id(param) not in covered:
+                raise RuntimeError(
+                    f"parameter '{name}' received a gradient outside any watched layer call "
+                    "(used directly by another module?); its per-example gradient is unknown"
+                )
+        return seen
+
+    def batch_dim(self, tap: Tap, call: Call) -> int:
+        """Where the batch sits in this call's tensors.
+
+        Batch-first models: dim 0. Sequence-first models (``batch_first=False``): dim 1 for
+        sequence-carrying tensors — floats (T, B, ..., d) of 3+ dims and integer indices (T, B,
+        ...) of 2+ dims — and dim 0 otherwise (pooled (B, d) features, channels-first layers).
+        """
+        x = call.inputs[0]
+        if self.batch_first or not isinstance(x, Tensor):
+            return 0
+        rule = find_rule(tap.module)
+        if rule is not None and rule.channels_first:
+            return 0
+        sequence_ndim = 3 if x.is_floating_point() or x.is_complex() else 2
+        return 1 if x.dim() >= sequence_ndim else 0
+
+    def _batch_size(self, calls: list[tuple[Tap, Call]]) -> int:
+        """The batch size every captured call agrees on (0 when nothing was captured)."""
+        sizes = {
+            (tap.name, call.inputs[0].shape[self.batch_dim(tap, call)])
+            for tap, call in calls
+            if isinstance(call.inputs[0], Tensor)
+        }
+        values = {s for _, s in sizes}
+        if len(values) > 1:
+            raise ValueError(
+                f"watched layers saw different batch sizes {sorted(sizes)}; "
+                "is batch_first set right for this model?"
+            )
+        return values.pop() if values else 0
+
+    def _add(self, name: str, value: Tensor) -> None:
+        """Add one parameter's clipped sum into the accumulator."""
+        param = self.params[name]
+        value = value.reshape(param.shape).to(param.dtype)
+        self._acc[name] = self._acc[name] + value if name in self._acc else value.detach()
+
+    def _release(self) -> None:
+        """Drop captured tensors and the non-private gradients of the backward pass."""
+        self._taps.active = True
+        self._taps.clear()
+        for param in self.params.values():
+            param.grad = None
+
+    def _require_attached(self) -> None:
+        """Refuse to work after detach()."""
+        if not self._attached:
+            raise RuntimeError("this engine was detached; create a new one with make_engine")
+
+    def __repr__(self) -> str:
+        """Engine kind and what it watches."""
+        extra = f", fallback_reason={self.fallback_reason!r}" if self.fallback_reason else ""
+        return f"{type(self).__name__}(kind={self.kind!r}, params={len(self.params)}{extra})"

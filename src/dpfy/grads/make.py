@@ -1,0 +1,119 @@
+"""Choose and build a per-example gradient engine for a model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+
+from dpfy.grads import rules as _rules  # noqa: F401 - registers the layer rules
+from dpfy.grads.capture import Tap
+from dpfy.grads.engine import GradEngine
+from dpfy.grads.fast import FastEngine
+from dpfy.grads.registry import find_rule
+from dpfy.grads.substitutions import restore, substitute, substitution_blocker
+from dpfy.grads.vmap import VmapEngine
+
+__all__ = ["EngineChoice", "fast_blocker", "make_engine"]
+
+EngineChoice = Literal["auto", "fast", "vmap"]
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's own (not its children's) parameters that require grad."""
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+
+def _attention_blocker(model: nn.Module) -> str | None:
+    """Why an attention module in ``model`` cannot be substituted (needed by both engines)."""
+    if type(model) is nn.MultiheadAttention:
+        return "the model itself is an nn.MultiheadAttention; wrap it in a container module"
+    for name, module in model.named_modules():
+        trainable = any(p.requires_grad for p in module.parameters())
+        if type(module) is nn.MultiheadAttention and trainable:
+            reason = substitution_blocker(module)
+            if reason is not None:
+                return f"layer '{name}': {reason}"
+    return None
+
+
+def fast_blocker(model: nn.Module) -> str | None:
+    """The first reason the fast engine cannot run ``model`` (None: it can)."""
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        own = _trainable(module)
+        if type(module) is nn.MultiheadAttention:
+            reason = substitution_blocker(module)
+            if reason is not None:
+                return f"layer '{name}': {reason}"
+        elif own:
+            rule = find_rule(module)
+            if rule is None:
+                return f"layer '{name}' ({type(module).__name__}) has no fast rule"
+            reason = rule.unsupported_reason(module)
+            if reason is not None:
+                return f"layer '{name}' ({type(module).__name__}): {reason}"
+        for local, param in own:
+            where = f"{name}.{local}" if name else local
+            first = owner.setdefault(id(param), where)
+            if first != where:
+                return f"parameter '{first}' is also used as '{where}' (shared or repeated layer)"
+    return None
+
+
+def make_engine(
+    model: nn.Module, engine: EngineChoice = "auto", *, batch_first: bool = True
+) -> GradEngine:
+    """Attach a per-example clipping engine to ``model`` (see :mod:`dpfy.grads`).
+
+    ``engine="auto"`` picks ``"fast"`` when every trainable layer has a rule, else ``"vmap"``
+    (``fallback_reason`` says which layer forced it). ``batch_first`` says whether every watched
+    layer sees the batch in dim 0 (True) or dim 1 (sequence-first models).
+    """
+    if engine not in ("auto", "fast", "vmap"):
+        raise ValueError(f"engine must be 'auto', 'fast' or 'vmap', got {engine!r}")
+    blocker = fast_blocker(model)
+    if engine == "fast" and blocker is not None:
+        raise ValueError(
+            f"the fast engine cannot run this model: {blocker}. "
+            "Use make_engine(model, engine='vmap') or engine='auto'."
+        )
+    attention = _attention_blocker(model)
+    if attention is not None:
+        raise ValueError(f"no engine can run this model: {attention}")
+    for name, module in model.named_modules():
+        if type(module) is nn.MultiheadAttention and module.batch_first != batch_first:
+            raise ValueError(
+                f"layer '{name}' has batch_first={module.batch_first} but the engine was made "
+                f"with batch_first={batch_first}; they must agree"
+            )
+    kind = "fast" if engine == "fast" or (engine == "auto" and blocker is None) else "vmap"
+    names = {id(p): n for n, p in model.named_parameters()}
+    substitutions = substitute(model)
+    try:
+        taps = []
+        for name, module in model.named_modules():
+            own = _trainable(module)
+            if not own:
+                continue
+            rule = find_rule(module) if kind == "fast" else None
+            taps.append(
+                Tap(
+                    name=name,
+                    module=module,
+                    trainable=frozenset(n for n, _ in own),
+                    skip_param_grad=rule is not None and rule.skip_param_grad,
+                )
+            )
+        cls = FastEngine if kind == "fast" else VmapEngine
+        return cls(
+            model,
+            taps,
+            batch_first=batch_first,
+            substitutions=substitutions,
+            param_names=names,
+            fallback_reason=blocker if engine == "auto" and kind == "vmap" else None,
+        )
+    except Exception:
+        restore(substitutions)
+        raise

@@ -1,0 +1,70 @@
+"""Per-unit norms and weighted sums of gradients of the form ``Σ_t g_t a_tᵀ`` (Linear, Conv, ...).
+
+For a layer ``y_t = W a_t + b`` applied at positions t of one unit, the unit's weight gradient is
+``G = Σ_t g_t a_tᵀ`` with ``g_t = ∂L/∂y_t``. Its squared Frobenius norm is computed either
+*directly* (form G, p·d numbers per unit) or by the *ghost norm* identity
+``‖G‖²_F = ⟨A Aᵀ, Γ Γᵀ⟩`` (Li et al. 2022, "Large language models can be strong differentially
+private learners"), which only forms T×T Gram matrices. The clipped sum over units is one matrix
+product ``Aᵀ diag(c) Γ`` ("book-keeping", Bu et al. 2023, "Differentially Private Optimization on
+Large Model at Small Cost"), so per-unit gradients are never kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "bias_sq_norms",
+    "direct_sq_norms",
+    "ghost_sq_norms",
+    "use_ghost",
+    "weight_sq_norms",
+    "weighted_bias_sum",
+    "weighted_weight_sum",
+]
+
+
+def use_ghost(positions: int, d_in: int, d_out: int) -> bool:
+    """Ghost norm is cheaper when two T×T Grams are smaller than one p×d gradient per unit."""
+    return 2 * positions * positions < d_in * d_out
+
+
+def ghost_sq_norms(a: Tensor, g: Tensor) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖² per unit via Gram matrices: a (U, T, d), g (U, T, p) → (U,)."""
+    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+
+def direct_sq_norms(a: Tensor, g: Tensor) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖² per unit by forming each unit's p×d gradient: (U, T, d), (U, T, p) → (U,)."""
+    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+
+
+def weight_sq_norms(a: Tensor, g: Tensor) -> Tensor:
+    """Per-unit squared weight-gradient norm, by the cheapest exact route for these shapes."""
+    positions = a.shape[1]
+    if positions == 1:  # rank one: ‖g aᵀ‖ = ‖g‖·‖a‖
+        return a.square().sum((1, 2)) * g.square().sum((1, 2))
+    if use_ghost(positions, a.shape[2], g.shape[2]):
+        return ghost_sq_norms(a, g)
+    return direct_sq_norms(a, g)
+
+
+def bias_sq_norms(g: Tensor) -> Tensor:
+    """Per-unit squared norm of the bias gradient Σ_t g_t: (U, T, p) → (U,)."""
+    return g.sum(1).square().sum(1)
+
+
+def weighted_weight_sum(a: Tensor, g: Tensor, weights: Tensor) -> Tensor:
+    """Σ_u w_u Σ_t g_ut a_utᵀ as one matrix product: (U, T, d), (U, T, p), (U,) → (p, d)."""
+    w = weights.to(a.dtype)[:, None, None]
+    if a.shape[2] <= g.shape[2]:
+        a = a * w
+    else:
+        g = g * w
+    return g.reshape(-1, g.shape[2]).t() @ a.reshape(-1, a.shape[2])
+
+
+def weighted_bias_sum(g: Tensor, weights: Tensor) -> Tensor:
+    """Σ_u w_u Σ_t g_ut: (U, T, p), (U,) → (p,)."""
+    return weights.to(g.dtype) @ g.sum(1)

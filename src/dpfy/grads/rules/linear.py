@@ -1,0 +1,47 @@
+"""Rule for ``nn.Linear`` on inputs (B, d) or sequences (B, *, d)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from dpfy.grads.capture import Call
+from dpfy.grads.layout import flatten_positions, group_positions
+from dpfy.grads.registry import LayerRule, register_rule
+from dpfy.grads.rules._bilinear import (
+    bias_sq_norms,
+    weight_sq_norms,
+    weighted_bias_sum,
+    weighted_weight_sum,
+)
+
+
+def _units(x: Tensor, group: int) -> Tensor:
+    """(B, *, d) → (U, T, d): positions flattened, microbatches merged into one unit."""
+    return group_positions(flatten_positions(x), group)
+
+
+@register_rule(nn.Linear)
+class LinearRule(LayerRule):
+    """Weight gradient Σ_t g_t a_tᵀ, bias gradient Σ_t g_t, per unit."""
+
+    @staticmethod
+    def sq_norms(layer: nn.Module, call: Call) -> Tensor:
+        """Direct, rank-one or ghost norm of the weight gradient plus the bias norm."""
+        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
+        total = a.new_zeros(a.shape[0])
+        if "weight" in call.trainable:
+            total = total + weight_sq_norms(a, g)
+        if "bias" in call.trainable:
+            total = total + bias_sq_norms(g)
+        return total
+
+    @staticmethod
+    def clipped_sum(layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
+        """Book-keeping: Aᵀ diag(w) Γ for the weight, wᵀ Σ_t Γ for the bias."""
+        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
+        out = {}
+        if "weight" in call.trainable:
+            out["weight"] = weighted_weight_sum(a, g, weights)
+        if "bias" in call.trainable:
+            out["bias"] = weighted_bias_sum(g, weights)
+        return out
