@@ -3,6 +3,7 @@ the property that every answer is an upper bound."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import dp_accounting as dpa
@@ -260,4 +261,4 @@ def test_never_below_the_prv_lower_bound(q, sigma, steps):
 def test_delta_curve_is_monotone():
     accountant = PldAccountant().compose(dpsgd_event(0.01, 1.0, 1000))
     curve = [accountant.delta(e) for e in np.linspace(0, 5, 26)]
-    assert all(a >= b for a, b in zip(curve, curve[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(curve))
