@@ -309,7 +309,7 @@ class DiscretePld:
         return float(min(max(solution, losses[j - 1]), losses[j]))
 
 
-def _bisect(predicate, lo: float, hi: float, iterations: int = 60) -> float:
+def _bisect(predicate, lo: float, hi: float, iterations: int = 40) -> float:
     """The boundary of a monotone predicate that is False at lo and True at hi."""
     for _ in range(iterations):
         mid = 0.5 * (lo + hi)
@@ -378,7 +378,7 @@ def discretize(direction: Direction, spacing: float, tail: float) -> DiscretePld
 # ---------------------------------------------------------------------------------------------
 # Composition
 # ---------------------------------------------------------------------------------------------
-_T_GRID = np.geomspace(1e-3, 1e4, 90)
+_T_GRID = np.geomspace(1e-3, 1e4, 48)
 
 
 def _chernoff_window(
@@ -440,7 +440,7 @@ def compose_directions(
     finite_mass = 1.0
     for pld, count in fine:
         wrapped = np.bincount(np.arange(pld.pmf.size) % size, weights=pld.pmf, minlength=size)
-        spectrum *= scipy.fft.rfft(wrapped) ** count
+        spectrum *= _power(scipy.fft.rfft(wrapped), count)
         offset += count * pld.offset
         finite_mass *= (1.0 - pld.infinity_mass) ** count
     composed = np.roll(scipy.fft.irfft(spectrum, size), -((start - offset) % size))
@@ -448,11 +448,24 @@ def compose_directions(
     return DiscretePld(spacing, start, np.clip(composed, 0.0, None), infinity_mass)
 
 
+def _power(z: np.ndarray, exponent: int) -> np.ndarray:
+    """z**exponent elementwise by repeated squaring: ~log₂(k) products, faster than complex pow."""
+    result = np.ones_like(z)
+    base = z.copy()
+    while exponent:
+        if exponent & 1:
+            result *= base
+        exponent >>= 1
+        if exponent:
+            base *= base
+    return result
+
+
 def _coarse_spacing(direction: Direction, tail: float) -> float:
     """A spacing that puts a few thousand points over one step's loss range."""
     top = _upper_truncation(direction, tail)
     bottom = _lower_truncation(direction, tail)
-    return max(top - bottom, 1e-12) / 4096
+    return max(top - bottom, 1e-12) / 2048
 
 
 # ---------------------------------------------------------------------------------------------
