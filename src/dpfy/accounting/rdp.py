@@ -209,7 +209,7 @@ def _noop_curve(event: NoOpEvent, relation: NeighbouringRelation, orders: np.nda
 def _gaussian_curve(
     event: GaussianEvent, relation: NeighbouringRelation, orders: np.ndarray
 ) -> np.ndarray:
-    """α·s²/(2σ²) with s the relation's sensitivity factor (Mironov 2017, Prop. 7)."""
+    """α·s²/(2σ²) with s the relation's sensitivity factor (Mironov 2017, Table II)."""
     scale = relation.sensitivity_factor / event.noise_multiplier
     return orders * scale**2 / 2.0
 
@@ -241,8 +241,8 @@ def _pure_dp_curve(
     Sankar 2021, "Three variants of differential privacy: lossless conversion and applications";
     Steinke 2023, differentialprivacy.org "Tight RDP & zCDP bounds from pure DP"):
     ε(α) = log((e^{αε} + e^{(1−α)ε}) / (1 + e^ε)) / (α−1). It is never above the classic bounds
-    ε (Mironov 2017, Prop. 3) and αε²/2 (Bun & Steinke 2016, Prop. 3.3); the minimum with them
-    only guards against rounding.
+    ε (pure DP is (∞, ε)-RDP and D_α grows with α; Mironov 2017, §III) and αε²/2 (Bun & Steinke
+    2016, Prop. 3.3); the minimum with them only guards against rounding.
     """
     eps = event.epsilon
     randomised_response = (
@@ -289,7 +289,7 @@ def _poisson_reason(event: PoissonSampledEvent, relation: NeighbouringRelation) 
 
 
 def _log_moment_integer(q: float, sigma: float, alpha: int) -> float:
-    """log A_α at integer α from the binomial expansion (MTZ 2019, §3.3), for q < 1.
+    """log A_α at integer α from the binomial expansion (MTZ 2019, §3), for q < 1.
 
     A_α = Σ_k C(α,k) (1−q)^{α−k} q^k e^{(k²−k)/(2σ²)}; the k = 0, 1 exponents vanish and the
     binomial weights sum to 1, so A_α − 1 is the sum over k ≥ 2 of weights times expm1(·): all
@@ -309,7 +309,7 @@ def _log_moment_integer(q: float, sigma: float, alpha: int) -> float:
 def _fractional_terms(
     q: float, sigma: float, alpha: np.ndarray, z0: float, k: np.ndarray, minus_one: bool
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Signed log terms k of the two series of MTZ 2019 §3.3 (split of the integral at z₀).
+    """Signed log terms k of the two series of MTZ 2019 §3 (split of the integral at z₀).
 
     First series (z ≤ z₀): C(α,k) (1−q)^{α−k} q^k e^{(k²−k)/(2σ²)} Φ((z₀−k)/σ); second series
     (z > z₀), j = α−k: C(α,k) (1−q)^k q^j e^{(j²−j)/(2σ²)} Φ((j−z₀)/σ). With ``minus_one`` the
@@ -390,7 +390,7 @@ def _sampled_gaussian_cached(q: float, sigma: float, orders: tuple[float, ...]) 
     return curve
 
 
-def sampled_gaussian_curve(q: float, sigma: float, orders: np.ndarray) -> np.ndarray:
+def _sampled_gaussian_curve(q: float, sigma: float, orders: np.ndarray) -> np.ndarray:
     """RDP of the Poisson-sampled Gaussian, sensitivity 1, under add-or-remove (MTZ 2019).
 
     ε(α) = log A_α/(α−1) with A_α = E_{z∼N(0,σ²)}[((1−q) + q·e^{(2z−1)/(2σ²)})^α], the divergence
@@ -407,7 +407,7 @@ def _poisson_sampled_curve(
     event: PoissonSampledEvent, relation: NeighbouringRelation, orders: np.ndarray
 ) -> np.ndarray:
     """Sampled Gaussian mechanism; add-or-remove and zero-out share sensitivity 1."""
-    return sampled_gaussian_curve(event.sampling_rate, event.event.noise_multiplier, orders)
+    return _sampled_gaussian_curve(event.sampling_rate, event.event.noise_multiplier, orders)
 
 
 # -- sampling without replacement (Wang, Balle & Kasiviswanathan 2019) ---------------------------
@@ -453,8 +453,9 @@ def _fixed_size_curve(
 
     The theorem holds at integer α ≥ 2. At a fractional α the bound linearly interpolates
     (α−1)ε(α) between the neighbouring integers (and between (1, 0) and α = 2): (α−1)D_α is the
-    log-moment-generating function of the privacy loss, hence convex in α (Hölder), so the chord
-    through upper bounds at the integers stays above it. That is sound and far tighter than ∞.
+    log-moment-generating function of the privacy loss, hence convex in α (Hölder; WBK 2019,
+    Corollary 10), so the chord through upper bounds at the integers stays above it. That is
+    sound and far tighter than ∞.
     The mechanism on the full data (no amplification) also bounds it, so the smaller is kept.
     """
     inner_at_orders = _curve(event.event, relation, orders)
@@ -520,7 +521,7 @@ def _composed_curve(
 # -- conversion to (ε, δ) (Canonne, Kamath & Steinke 2020, Prop. 12) ----------------------------
 def _epsilon_per_order(rdp: np.ndarray, orders: np.ndarray, delta: float) -> np.ndarray:
     """ε at each order: ε_α + log(1 − 1/α) − (log δ + log α)/(α − 1)."""
-    return rdp - (math.log(delta) + np.log(orders)) / (orders - 1)
+    return rdp + np.log1p(-1.0 / orders) - (math.log(delta) + np.log(orders)) / (orders - 1)
 
 
 def _log_delta_per_order(rdp: np.ndarray, orders: np.ndarray, epsilon: np.ndarray) -> np.ndarray:
@@ -743,7 +744,9 @@ class RdpAccountant(Accountant):
             warnings.warn(GridEdgeWarning(_edge_message(details, self._orders)), stacklevel=3)
 
     def _epsilon(self, delta: float) -> float:
+        """The base-class hook: ε of the best order (warning on a grid-edge optimum)."""
         return self.epsilon_details(delta).epsilon
 
     def _delta(self, epsilon: float) -> float:
+        """The base-class hook: δ of the best order (warning on a grid-edge optimum)."""
         return self.delta_details(epsilon).delta
