@@ -90,3 +90,13 @@ def test_plan_refuses_a_batch_larger_than_the_dataset():
         "--target-epsilon", "1", "--delta", "1e-5",
     )  # fmt: skip
     assert run.returncode == 2 and "batch_size" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_rdp_reports_its_order_and_warns_on_the_grid_edge():
+    run = dpfy(
+        "account", "--sampling-rate", "1e-5", "--noise-multiplier", "50", "--steps", "2",
+        "--delta", "1e-6", "--accountant", "rdp", "--json",
+    )  # fmt: skip
+    assert run.returncode == 0
+    assert json.loads(run.stdout)["rdp_order"] == 1024
+    assert run.stderr.startswith("warning:") and "largest of the grid" in run.stderr

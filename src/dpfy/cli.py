@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dpfy.accounting import dpsgd_event, make_accountant
+from dpfy.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
 
 app = typer.Typer(
@@ -96,14 +96,21 @@ def account(
     """ε spent by Poisson-sampled DP-SGD with the given q, σ and number of steps."""
     with _user_errors():
         event = dpsgd_event(sampling_rate, noise_multiplier, steps)
-        epsilon = make_accountant(accountant.value).compose(event).epsilon(delta)
-        result = {
+        tracker = make_accountant(accountant.value).compose(event)
+        extra: dict[str, object] = {}
+        if isinstance(tracker, RdpAccountant):
+            details = tracker.epsilon_details(delta)
+            epsilon, extra["rdp_order"] = details.epsilon, details.order
+        else:
+            epsilon = tracker.epsilon(delta)
+        result: dict[str, object] = {
             "epsilon": epsilon,
             "delta": delta,
             "accountant": accountant.value,
             "sampling_rate": sampling_rate,
             "noise_multiplier": noise_multiplier,
             "steps": steps,
+            **extra,
         }
         _emit(result, "DP-SGD privacy (add-or-remove adjacency, Poisson sampling)", as_json)
 
