@@ -155,8 +155,11 @@ class PrivacyLedger:
     def record(
         self, step: StepRecord, *, relation: NeighbouringRelation | str | None = None
     ) -> None:
-        """Append one step that happened. Call :meth:`check_step` first: this records the truth
-        even past the budget, because a step that was applied must be accounted."""
+        """Append one step that happened, from the sampler's record and the σ used.
+
+        Call :meth:`check_step` *before* applying the step: ``record`` accounts the truth even
+        past the budget, because a step that was applied must be accounted.
+        """
         event = self._validate_step(step, relation)
         plain = dataclasses.replace(step, batch_size=None)
         self._append(TRAINING, event, 1, plain)
@@ -230,10 +233,10 @@ class PrivacyLedger:
 
     def _check_supported(self, event: DpEvent) -> None:
         """Refuse, at record time, an event the accountant could not bound later."""
-        if event in self._checked_events:
-            return
         if not isinstance(event, DpEvent):
             raise ValueError(f"event must be a DpEvent, got {type(event).__name__}")
+        if event in self._checked_events:
+            return
         reason = self._probe.unsupported_reason(event)
         if reason is not None:
             raise UnsupportedEventError(reason)
@@ -283,7 +286,7 @@ class PrivacyLedger:
         def fits(m: int) -> bool:
             counts = dict(base)
             counts[event] = counts.get(event, 0) + m
-            return self._compose(counts).epsilon(self.delta) < self.target_epsilon * 1.001
+            return self._compose(counts).epsilon(self.delta) <= self.target_epsilon
 
         if not fits(1):
             return 0

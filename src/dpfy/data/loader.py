@@ -8,7 +8,6 @@ like a real batch with zero rows.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -86,8 +85,7 @@ class DPDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate as DataLoader does, counting batches handed out for exact checkpoints."""
-        pending = self.dp_sampler._resume_at
-        self._consumed = pending if pending is not None and pending < len(self) else 0
+        self._consumed = self.dp_sampler.resume_position or 0
         for batch in super().__iter__():
             self._consumed += 1
             yield batch
@@ -99,7 +97,7 @@ class DPDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next pass continues where the checkpointed one stopped."""
         self.dp_sampler.load_state_dict(state)
-        self._consumed = self.dp_sampler._position
+        self._consumed = self.dp_sampler.position
 
 
 class EmptyBatchCollate:
@@ -198,5 +196,5 @@ def _resolve_steps(steps: int | None, epochs: int | None, per_epoch: int) -> int
     if steps is not None:
         return check_count("steps", steps, minimum=1)
     if epochs is not None:
-        return max(1, math.floor(check_count("epochs", epochs, minimum=1) * per_epoch))
+        return check_count("epochs", epochs, minimum=1) * per_epoch
     return per_epoch

@@ -72,6 +72,18 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
         return self.record.sampling_rate
 
     @property
+    def position(self) -> int:
+        """Batches drawn so far in the current pass (workers may draw ahead of the consumer)."""
+        return self._position
+
+    @property
+    def resume_position(self) -> int | None:
+        """Where the next pass starts after :meth:`load_state_dict`, else None (a fresh pass)."""
+        if self._resume_at is None or self._resume_at >= self.steps:
+            return None
+        return self._resume_at
+
+    @property
     def secure(self) -> bool:
         """Whether decisions come from the OS CSPRNG."""
         return self._source.secure
