@@ -1,1 +1,33 @@
-"""dpfy."""
+"""dpfy: train machine-learning models with differential privacy, the whole recipe.
+
+The top-level names load lazily, so ``import dpfy.accounting`` (pure numpy/scipy) never pulls in
+torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "make_private": "dpfy.session",
+    "PrivateTraining": "dpfy.session",
+    "fix": "dpfy.checks",
+    "check_model": "dpfy.checks",
+    "BudgetExhausted": "dpfy.ledger",
+    "PrivacyLedger": "dpfy.ledger",
+    "DPOptimizer": "dpfy.optim",
+    "NonFiniteGradientError": "dpfy.optim",
+    "DPDataLoader": "dpfy.data",
+}
+
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dpfy' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,185 @@
+"""DPOptimizer: clip → sum → noise → ÷ expected batch size → any torch optimizer (guide alg. 1).
+
+The wrapped optimizer only post-processes privatised gradients (guide §4.2, §5.5.2), so SGD,
+Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enforces:
+
+- noise ``N(0, σ²C²)`` per coordinate on the *sum* of clipped per-example gradients, then division
+  by the **expected** batch size (DESIGN rule 1) — the realised size is never used;
+- every trainable parameter gets noise every step, zero-gradient and sparse ones included; frozen
+  parameters are never touched (rule 2);
+- an empty batch is still a step: noise only, accounted (rule 3);
+- microbatch clipping of averages (guide alg. 3) has sensitivity 2C, so the noise std is 2σC and
+  the sum is divided by the expected number of microbatches (rule 6);
+- the ledger's budget guard runs before anything changes (rule 9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dpfy._validate import check_count, check_positive
+from dpfy.data.records import SamplingRecord
+from dpfy.grads import GradEngine, LossReduction
+from dpfy.ledger import PrivacyLedger, StepRecord
+from dpfy.noise import NoiseSource, TorchNoise
+
+
+class NonFiniteGradientError(ValueError):
+    """A per-example gradient was NaN or infinite; the step was not applied."""
+
+
+class BatchBoundary:
+    """Whether the physical chunk just processed closes its logical batch (virtual batching).
+
+    The virtual-batch loader sets it before yielding each chunk; the optimizer reads it in
+    ``step()`` and only noises and updates at the end of a logical batch.
+    """
+
+    def __init__(self) -> None:
+        self.closes_batch = True
+
+
+@dataclass(frozen=True)
+class NoiseSettings:
+    """What a private step adds: σ, the clip norm C, and the clipping unit (example/microbatch)."""
+
+    noise_multiplier: float
+    max_grad_norm: float
+    expected_batch_size: float
+    microbatch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive("noise_multiplier", self.noise_multiplier)
+        check_positive("max_grad_norm", self.max_grad_norm)
+        check_positive("expected_batch_size", self.expected_batch_size)
+        if self.microbatch_size is not None:
+            check_count("microbatch_size", self.microbatch_size, minimum=1)
+
+    @property
+    def sensitivity(self) -> float:
+        """How far one example can move the clipped sum: C, or 2C for microbatch averages."""
+        return self.max_grad_norm * (1.0 if self.microbatch_size is None else 2.0)
+
+    @property
+    def noise_std(self) -> float:
+        """Per-coordinate std of the noise on the clipped sum: σ · sensitivity."""
+        return self.noise_multiplier * self.sensitivity
+
+    @property
+    def divisor(self) -> float:
+        """The expected number of clipping units: B, or B/k microbatches (never the realised)."""
+        if self.microbatch_size is None:
+            return self.expected_batch_size
+        return self.expected_batch_size / self.microbatch_size
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer; ``step()`` privatises the gradient before the wrapped update.
+
+    It subclasses ``torch.optim.Optimizer`` (sharing the wrapped optimizer's ``param_groups``
+    and ``state``) so learning-rate schedulers and other tools accept it.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        engine: GradEngine,
+        ledger: PrivacyLedger,
+        sampling: SamplingRecord,
+        settings: NoiseSettings,
+        *,
+        loss_reduction: LossReduction = "mean",
+        noise: NoiseSource | None = None,
+        boundary: BatchBoundary | None = None,
+    ) -> None:
+        if isinstance(optimizer, DPOptimizer):
+            raise ValueError("the optimizer is already private; pass the plain torch optimizer")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.original_optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.engine = engine
+        self.ledger = ledger
+        self.sampling = sampling
+        self.settings = settings
+        self.loss_reduction = loss_reduction
+        self.noise = noise if noise is not None else TorchNoise()
+        self.boundary = boundary if boundary is not None else BatchBoundary()
+
+    @property
+    def step_record(self) -> StepRecord:
+        """What one step is accounted as (the sampler's record and σ)."""
+        return StepRecord(self.sampling, self.settings.noise_multiplier)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad``; the clipped sum of a logical batch in progress is kept."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Clip this batch; at the end of a logical batch, noise, account, and update.
+
+        Returns the closure's loss (if a closure was given) like any torch optimizer.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        result = self.engine.clip_and_accumulate(
+            self.settings.max_grad_norm,
+            self.loss_reduction,
+            microbatch_size=self.settings.microbatch_size,
+        )
+        if not bool(torch.isfinite(result.norms).all()):
+            self.engine.reset()
+            raise NonFiniteGradientError(
+                "a per-example gradient is NaN or infinite (a non-finite loss?); the step was not "
+                "applied and the model and ledger are unchanged — check the inputs and the loss, "
+                "or lower the learning rate"
+            )
+        if not self.boundary.closes_batch:
+            return loss
+        record = StepRecord(
+            self.sampling, self.settings.noise_multiplier, batch_size=self.engine.num_examples
+        )
+        try:
+            self.ledger.check_step(record)  # BudgetExhausted before anything changes
+        except Exception:
+            self.engine.reset()
+            raise
+        self._write_private_grads()
+        self.original_optimizer.step()
+        self.ledger.record(record)
+        self.engine.reset()
+        return loss
+
+    def _write_private_grads(self) -> None:
+        """p.grad = (clipped sum + N(0, (σ·sensitivity)²)) / expected units, for every param."""
+        std = self.settings.noise_std
+        divisor = self.settings.divisor
+        for name, total in self.engine.summed_grads().items():
+            param = self.engine.params[name]
+            param.grad = (total + self.noise.normal(total, std)).div_(divisor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state (the ledger and noise are saved by the session)."""
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the wrapped optimizer's state."""
+        self.original_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.original_optimizer.param_groups
+        self.state = self.original_optimizer.state
+
+    def __repr__(self) -> str:
+        """Which optimizer is wrapped and the privacy settings."""
+        s = self.settings
+        return (
+            f"DPOptimizer({type(self.original_optimizer).__name__}, σ={s.noise_multiplier:.4g}, "
+            f"C={s.max_grad_norm:.4g}, B={s.expected_batch_size:g}, engine={self.engine.kind})"
+        )

@@ -1,0 +1,359 @@
+"""``make_private``: one call turns a model, optimizer and dataset into a private training run.
+
+It checks the model (DESIGN rule 8), derives q = B/N from the dataset, calibrates σ for a target
+ε (or takes σ), builds the Poisson loader, the per-example gradient engine, the ledger with its
+budget guard and the private optimizer, and returns them together as one
+:class:`PrivateTraining` — always the same kind of object, whatever the options.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dpfy._validate import check_count, check_delta, check_positive
+from dpfy.accounting.calibrate import calibrate_noise_multiplier, smallest_noise_multiplier
+from dpfy.accounting.events import NeighbouringRelation, SelfComposedEvent
+from dpfy.checks import check_model
+from dpfy.data.loader import DPDataLoader
+from dpfy.data.records import SamplingKind, SamplingRecord
+from dpfy.grads import EngineChoice, GradEngine, LossReduction, make_engine
+from dpfy.ledger import PrivacyLedger
+from dpfy.noise import SecureNoise, TorchNoise
+from dpfy.optim import BatchBoundary, DPOptimizer, NoiseSettings
+from dpfy.virtual import VirtualBatchLoader
+
+CHECKPOINT_FORMAT = "dpfy.checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PrivacySettings:
+    """The settings a run was made private with; a checkpoint must match them to resume."""
+
+    dataset_size: int
+    expected_batch_size: int
+    sampling_rate: float
+    steps: int
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    target_epsilon: float | None
+    accountant: str
+    sampler: str
+    microbatch_size: int | None
+    loss_reduction: str
+
+
+class PrivateTraining:
+    """A private training run: model, DP optimizer, DP loader, ledger and engine together."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: DPOptimizer,
+        loader: DPDataLoader | VirtualBatchLoader,
+        ledger: PrivacyLedger,
+        engine: GradEngine,
+        settings: PrivacySettings,
+        noise: TorchNoise | SecureNoise,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loader = loader
+        self.ledger = ledger
+        self.engine = engine
+        self.settings = settings
+        self.noise = noise
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ: noise std divided by the clip norm (decoupled, DESIGN rule 5)."""
+        return self.settings.noise_multiplier
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """ε spent so far at ``delta`` (the run's δ by default), training and tuning included."""
+        return self.ledger.epsilon(delta)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs: model, optimizer, ledger, sampler and noise RNG."""
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "settings": asdict(self.settings),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "ledger": self.ledger.state_dict(),
+            "loader": self.loader.state_dict(),
+            "noise": self.noise.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; all or nothing — on any error nothing has changed."""
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("not a dpfy checkpoint (missing format marker); nothing was loaded")
+        if state.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(
+                f"unsupported dpfy checkpoint version {state.get('version')!r} "
+                f"(this dpfy reads version {CHECKPOINT_VERSION}); nothing was loaded"
+            )
+        saved = state.get("settings")
+        if saved != asdict(self.settings):
+            raise ValueError(
+                "the checkpoint was made with different privacy settings "
+                f"({saved}) than this run ({asdict(self.settings)}); resume with the same "
+                "make_private arguments. Nothing was loaded."
+            )
+        ledger = PrivacyLedger.from_state_dict(state["ledger"])  # validates before any change
+        backup = {
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "loader": self.loader.state_dict(),
+            "noise": self.noise.state_dict(),
+        }
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.loader.load_state_dict(state["loader"])
+            self.noise.load_state_dict(state["noise"])
+        except Exception as err:
+            self.model.load_state_dict(backup["model"])
+            self.optimizer.load_state_dict(backup["optimizer"])
+            self.loader.load_state_dict(backup["loader"])
+            self.noise.load_state_dict(backup["noise"])
+            raise ValueError(
+                f"the checkpoint does not fit this run ({err}); nothing was loaded"
+            ) from None
+        self.ledger.load_state_dict(ledger.state_dict())
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write a checkpoint atomically: a crash mid-write never destroys the previous one."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        os.close(handle)
+        try:
+            torch.save(self.state_dict(), temporary)
+            os.replace(temporary, target)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+        return target
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Resume from a checkpoint file; a corrupt file is refused with nothing changed."""
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise ValueError(f"checkpoint {path} does not exist") from None
+        except Exception as err:
+            raise ValueError(
+                f"checkpoint {path} is corrupt or not a dpfy checkpoint ({type(err).__name__}); "
+                "nothing was loaded — resume from an earlier checkpoint"
+            ) from None
+        self.load_state_dict(state)
+
+    def detach(self) -> nn.Module:
+        """Remove dpfy's hooks; returns the model (the optimizer can no longer step)."""
+        self.engine.detach()
+        return self.model
+
+    def __repr__(self) -> str:
+        """The run's privacy settings at a glance."""
+        s = self.settings
+        return (
+            f"PrivateTraining(N={s.dataset_size}, B={s.expected_batch_size}, "
+            f"q={s.sampling_rate:.4g}, σ={s.noise_multiplier:.4g}, C={s.max_grad_norm:g}, "
+            f"steps={s.steps}, δ={s.delta:g}, engine={self.engine.kind})"
+        )
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_dataset: Dataset,
+    *,
+    batch_size: int,
+    delta: float,
+    max_grad_norm: float,
+    epochs: float | None = None,
+    steps: int | None = None,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    loss_reduction: LossReduction = "mean",
+    engine: EngineChoice = "auto",
+    accountant: str = "pld",
+    sampler: SamplingKind | str = SamplingKind.POISSON,
+    microbatch_size: int | None = None,
+    max_physical_batch_size: int | None = None,
+    secure_noise: bool = False,
+    seed: int | None = None,
+    batch_first: bool = True,
+) -> PrivateTraining:
+    """Make ``model`` + ``optimizer`` train privately on ``train_dataset`` (guide alg. 1).
+
+    ``batch_size`` is the *expected* batch size B (q = B/N from the dataset size). Give exactly
+    one of ``epochs``/``steps`` and exactly one of ``target_epsilon`` (σ is calibrated and the
+    budget guard stops the run there) / ``noise_multiplier``. ``sampler`` is Poisson unless you
+    explicitly choose "shuffle" (accounted under the Poisson assumption, flagged as not met) or
+    "fixed-size" (replace-one adjacency, RDP accounting). ``seed`` makes sampling and noise
+    reproducible; leave it None in production (OS-seeded). ``secure_noise`` draws noise from the
+    OS CSPRNG (slower; see :mod:`dpfy.noise`).
+    """
+    check_model(model)
+    delta = check_delta(delta)
+    max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    dataset_size = _dataset_size(train_dataset)
+    batch_size = check_count("batch_size", batch_size, minimum=1)
+    if batch_size > dataset_size:
+        raise ValueError(
+            f"batch_size ({batch_size}) is larger than the dataset ({dataset_size} examples); "
+            "use a batch size of at most the dataset size"
+        )
+    total_steps = _resolve_steps(epochs, steps, dataset_size, batch_size)
+    _check_optimizer_params(model, optimizer)
+    if delta >= 1 / dataset_size:
+        warnings.warn(
+            f"δ = {delta:g} is not below 1/N = {1 / dataset_size:g}: a mechanism that publishes "
+            "one random example outright would satisfy it (guide §2.1); choose δ ≪ 1/N",
+            UserWarning,
+            stacklevel=2,
+        )
+    kind = SamplingKind.parse(sampler)
+    relation, accountant = _accounting_for(kind, accountant)
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    loader = DPDataLoader(
+        train_dataset, batch_size, steps=total_steps, sampler=kind, generator=generator
+    )
+    record = loader.sampling_record
+    sigma = _noise_multiplier(
+        target_epsilon, noise_multiplier, delta, record, total_steps, accountant, relation
+    )
+    ledger = PrivacyLedger(
+        delta, accountant=accountant, target_epsilon=target_epsilon, relation=relation
+    )
+    grad_engine = make_engine(model, engine, batch_first=batch_first)
+    settings = NoiseSettings(sigma, max_grad_norm, batch_size, microbatch_size)
+    noise = SecureNoise() if secure_noise else TorchNoise(seed=None if seed is None else seed + 1)
+    boundary = BatchBoundary()
+    private_optimizer = DPOptimizer(
+        optimizer,
+        grad_engine,
+        ledger,
+        record,
+        settings,
+        loss_reduction=loss_reduction,
+        noise=noise,
+        boundary=boundary,
+    )
+    run_loader: DPDataLoader | VirtualBatchLoader = loader
+    if max_physical_batch_size is not None:
+        run_loader = VirtualBatchLoader(loader, max_physical_batch_size, boundary)
+    privacy = PrivacySettings(
+        dataset_size=dataset_size,
+        expected_batch_size=batch_size,
+        sampling_rate=record.sampling_rate,
+        steps=total_steps,
+        noise_multiplier=sigma,
+        max_grad_norm=max_grad_norm,
+        delta=delta,
+        target_epsilon=target_epsilon,
+        accountant=accountant,
+        sampler=kind.value,
+        microbatch_size=microbatch_size,
+        loss_reduction=loss_reduction,
+    )
+    return PrivateTraining(
+        model, private_optimizer, run_loader, ledger, grad_engine, privacy, noise
+    )
+
+
+def _dataset_size(dataset: Dataset) -> int:
+    """N, refusing datasets without a length or with no examples."""
+    try:
+        size = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError("train_dataset must define __len__ so q = B/N can be computed") from None
+    if size == 0:
+        raise ValueError("train_dataset is empty: there is nothing to train on")
+    return size
+
+
+def _resolve_steps(
+    epochs: float | None, steps: int | None, dataset_size: int, batch_size: int
+) -> int:
+    """Total steps from exactly one of epochs (⌈E·N/B⌉) and steps."""
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of epochs= or steps=")
+    if steps is not None:
+        return check_count("steps", steps, minimum=1)
+    epochs = check_positive("epochs", epochs)
+    return max(1, math.ceil(epochs * dataset_size / batch_size))
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must update this model's parameters (not a copy's, e.g. after fix())."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    owned = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in owned:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not in the model (was the optimizer "
+                    "built before `model = dpfy.fix(model)`?); build it from model.parameters()"
+                )
+
+
+def _accounting_for(kind: SamplingKind, accountant: str) -> tuple[NeighbouringRelation, str]:
+    """The relation and accountant a sampler's honest event needs."""
+    if kind is SamplingKind.FIXED_SIZE:
+        return NeighbouringRelation.REPLACE_ONE, "rdp"
+    return NeighbouringRelation.ADD_OR_REMOVE, accountant
+
+
+def _noise_multiplier(
+    target_epsilon: float | None,
+    noise_multiplier: float | None,
+    delta: float,
+    record: SamplingRecord,
+    steps: int,
+    accountant: str,
+    relation: NeighbouringRelation,
+) -> float:
+    """σ given directly, or the smallest σ that meets the target for this run's events."""
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError(
+            "give exactly one of target_epsilon= (σ is calibrated) or noise_multiplier="
+        )
+    if noise_multiplier is not None:
+        return check_positive("noise_multiplier", noise_multiplier)
+    target_epsilon = check_positive("target_epsilon", target_epsilon)
+    if record.kind is SamplingKind.POISSON or record.kind is SamplingKind.SHUFFLE:
+        return calibrate_noise_multiplier(
+            target_epsilon, delta, record.sampling_rate, steps, accountant=accountant
+        )
+    return smallest_noise_multiplier(
+        lambda s: SelfComposedEvent(record.event(s), steps),
+        target_epsilon,
+        delta,
+        accountant=accountant,
+        relation=relation,
+    )
