@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy import noise as dpfy_noise
 from dpfy.accounting import PldAccountant, dpsgd_event
 from dpfy.ledger import BudgetExhausted
 from dpfy.optim import NonFiniteGradientError
@@ -342,3 +343,24 @@ def test_non_finite_loss_changes_neither_model_nor_ledger():
 def test_delta_above_one_over_n_warns():
     with pytest.warns(UserWarning, match="1/N"):
         bad(delta=0.01)
+
+
+@pytest.mark.parametrize("source", [dpfy_noise.SecureNoise(), dpfy_noise.TorchNoise(seed=0)])
+def test_noise_sources_draw_the_requested_gaussian(source):
+    like = torch.zeros(50_000, dtype=torch.float64)
+    draws = source.normal(like, 2.5).numpy()
+    assert draws.shape == (50_000,) and draws.dtype == np.float64
+    statistic = float(np.sum(draws**2) / 2.5**2)
+    lo, hi = stats.chi2.ppf([1e-4, 1 - 1e-4], draws.size)
+    assert lo < statistic < hi
+    assert stats.kstest(draws / 2.5, "norm").pvalue > 1e-4
+
+
+def test_secure_noise_trains_and_differs_between_runs():
+    def run() -> torch.Tensor:
+        model = mlp()
+        private = bad(model=model, secure_noise=True)
+        train(private)
+        return flat(model)
+
+    assert not torch.equal(run(), run())
