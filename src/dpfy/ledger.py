@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from dpfy.accounting.accountant import (
     UnsupportedEventError,
     make_accountant,
 )
+from dpfy.accounting.calibrate import largest_fitting_count
 from dpfy.accounting.events import (
     ComposedEvent,
     DpEvent,
@@ -280,28 +281,21 @@ class PrivacyLedger:
         return max(self._headroom.room, 0)
 
     def _search_room(self, event: DpEvent) -> int:
-        """max{m ≤ cap : ε(ledger + m × event) ≤ target}, by doubling then bisection."""
+        """max{m ≤ cap : ε(ledger + m × event) ≤ target}; the accountant's fast variant guides
+        the search and the full accountant decides every answer."""
         base = self._event_counts(None, poisson=False)
 
-        def fits(m: int) -> bool:
-            counts = dict(base)
-            counts[event] = counts.get(event, 0) + m
-            return self._compose(counts).epsilon(self.delta) <= self.target_epsilon
+        def predicate(search: bool) -> Callable[[int], bool]:
+            def fits(m: int) -> bool:
+                counts = dict(base)
+                counts[event] = counts.get(event, 0) + m
+                return self._compose(counts, search=search).epsilon(self.delta) <= (
+                    self.target_epsilon
+                )
 
-        if not fits(1):
-            return 0
-        low, high = 1, 2
-        while high <= _SEARCH_CAP and fits(high):
-            low, high = high, high * 2
-        if high > _SEARCH_CAP:
-            return low
-        while high - low > 1:  # invariant: fits(low) and not fits(high)
-            middle = (low + high) // 2
-            if fits(middle):
-                low = middle
-            else:
-                high = middle
-        return low
+            return fits
+
+        return largest_fitting_count(predicate(False), guide=predicate(True), cap=_SEARCH_CAP)
 
     # -- ε -------------------------------------------------------------------------------------
     def epsilon(self, delta: float | None = None) -> float:
@@ -364,9 +358,11 @@ class PrivacyLedger:
             counts[event] = counts.get(event, 0) + entry.count
         return counts
 
-    def _compose(self, counts: dict[DpEvent, int]) -> Accountant:
-        """A fresh accountant holding ``counts``."""
+    def _compose(self, counts: dict[DpEvent, int], *, search: bool = False) -> Accountant:
+        """A fresh accountant holding ``counts`` (its fast search variant if ``search``)."""
         accountant = _new_accountant(self.accountant, self.relation)
+        if search:
+            accountant = accountant.for_search()
         for event, count in counts.items():
             accountant.compose(event, count)
         return accountant

@@ -139,6 +139,59 @@ def calibrate_noise_multiplier(
     )
 
 
+def largest_fitting_count(
+    fits: Callable[[int], bool],
+    *,
+    guide: Callable[[int], bool] | None = None,
+    cap: int = 1 << 30,
+) -> int:
+    """max{m ≤ cap : fits(m)} for a predicate that stays true below any m where it holds; 0 if none.
+
+    ``guide`` is a cheaper approximation of ``fits`` (the accountant's search variant): it finds
+    the neighbourhood by doubling and bisection, then ``fits`` alone decides the answer with a
+    few calls around it. Only ``fits`` is trusted, so the result is exact for ``fits``.
+    """
+    if guide is None:
+        return _doubling_search(fits, 0, cap)
+    guess = _doubling_search(guide, 0, cap)
+    step = max(1, guess // 256)
+    if guess >= 1 and fits(guess):
+        low, high = guess, guess + step
+        while high <= cap and fits(high):
+            low, high, step = high, high + 2 * step, 2 * step
+        if high > cap:
+            return low if low == cap or not fits(cap) else cap
+    else:
+        high, low = max(guess, 1), max(guess, 1) - step
+        while low >= 1 and not fits(low):
+            high, low, step = low, low - 2 * step, 2 * step
+        low = max(low, 0)
+    return _bisect_counts(fits, low, high)
+
+
+def _doubling_search(fits: Callable[[int], bool], low: int, cap: int) -> int:
+    """Largest m ≤ cap with fits(m), knowing fits(low) (m = 0 always "fits")."""
+    if not fits(max(low, 1)):
+        return low
+    low, high = max(low, 1), max(2 * low, 2)
+    while high <= cap and fits(high):
+        low, high = high, high * 2
+    if high > cap:
+        return cap if fits(cap) else _bisect_counts(fits, low, cap)
+    return _bisect_counts(fits, low, high)
+
+
+def _bisect_counts(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """Largest m in [low, high) with fits(m), given fits(low) (or low = 0) and not fits(high)."""
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 def max_steps(
     target_epsilon: float,
     delta: float,
@@ -154,27 +207,14 @@ def max_steps(
     delta = check_delta(delta)
     sampling_rate = check_sampling_rate(sampling_rate)
     noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
-    epsilon = _epsilon_function(accountant, delta, relation)
 
-    def fits(steps: int) -> bool:
-        return epsilon(dpsgd_event(sampling_rate, noise_multiplier, steps)) <= target_epsilon
+    def predicate(search: bool) -> Callable[[int], bool]:
+        epsilon = _epsilon_function(accountant, delta, relation, search=search)
+        return lambda steps: (
+            epsilon(dpsgd_event(sampling_rate, noise_multiplier, steps)) <= target_epsilon
+        )
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, hi * 4
-        if lo >= limit:
-            return limit
-    # Invariant: fits(lo) and not fits(hi). Interpolate in log-steps, then bisect the rest.
-    while hi - lo > 1:
-        mid = (lo + hi) // 2 if hi - lo < 8 else int(math.sqrt(lo * hi))
-        mid = min(max(mid, lo + 1), hi - 1)
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest_fitting_count(predicate(False), guide=predicate(True), cap=limit)
 
 
 @dataclass(frozen=True)
