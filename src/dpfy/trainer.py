@@ -1,0 +1,263 @@
+"""The main job: train a bundled model on a bundled real dataset with DP-SGD, end with a report.
+
+:func:`run_training` is what ``dpfy train`` runs: load the dataset, build the model, make it
+private (σ calibrated for the target ε), train with a progress bar showing loss, accuracy and ε,
+evaluate, optionally train a non-private baseline for comparison, and write the run directory:
+``report.md``, ``report.json``, ``facts.json``, ``history.json``, ``model.pt`` and the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpfy._validate import check_count, check_positive
+from dpfy.data.datasets import LoadedDataset, load_dataset
+from dpfy.models import build_model
+from dpfy.session import PrivateTraining, make_private
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
+    "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
+}
+
+#: Files whose presence marks a directory as holding a finished run (never overwritten).
+FINISHED_MARKERS = ("report.json", "facts.json")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``dpfy train`` needs; the defaults train digits at ε = 3 in under a minute."""
+
+    dataset: str = "digits"
+    model: str = "mlp"
+    target_epsilon: float = 3.0
+    delta: float | None = None
+    epochs: float = 30
+    batch_size: int = 256
+    max_grad_norm: float = 1.0
+    lr: float = 2.0
+    optimizer: str = "sgd"
+    out: Path | None = None
+    seed: int = 0
+    baseline: bool = False
+    data_dir: Path | None = None
+    engine: str = "auto"
+
+    def resolved_delta(self, dataset_size: int) -> float:
+        """δ as given, or a power of ten at least 10× below 1/N (guide §2.1: δ ≪ 1/N)."""
+        if self.delta is not None:
+            return self.delta
+        return 10.0 ** -(math.ceil(math.log10(dataset_size)) + 1)
+
+
+@dataclass
+class TrainResult:
+    """What the run produced: its directory, accuracies, ε and the history of evaluations."""
+
+    run_dir: Path
+    test_accuracy: float
+    baseline_accuracy: float | None
+    epsilon: float
+    delta: float
+    seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def default_run_dir(config: TrainConfig) -> Path:
+    """runs/<dataset>-<model>-eps<ε>-<time>: a fresh directory per run."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{config.dataset}-{config.model}-eps{config.target_epsilon:g}-{stamp}"
+
+
+def prepare_run_dir(path: Path) -> Path:
+    """Create the run directory; refuse a finished run or an unwritable place, changing nothing."""
+    for marker in FINISHED_MARKERS:
+        if (path / marker).exists():
+            raise ValueError(
+                f"{path} already holds a finished run ({marker} exists); choose another --out "
+                "directory — an existing run is never overwritten"
+            )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".dpfy-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"cannot write to --out {path} ({err.strerror or err}); choose a writable directory"
+        ) from None
+    return path
+
+
+def check_config(config: TrainConfig) -> None:
+    """Refuse bad settings before any data is loaded."""
+    check_positive("target_epsilon", config.target_epsilon)
+    check_positive("epochs", config.epochs)
+    check_count("batch_size", config.batch_size, minimum=1)
+    check_positive("max_grad_norm", config.max_grad_norm)
+    check_positive("lr", config.lr)
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {config.optimizer!r}"
+        )
+
+
+def accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 1024) -> float:
+    """Top-1 accuracy of ``model`` on ``data``."""
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for x, y in DataLoader(data, batch_size=batch_size):
+            correct += int((model(x).argmax(dim=1) == y).sum())
+    model.train()
+    return correct / len(data)
+
+
+def _progress(console: Console) -> Progress:
+    """A rich progress bar with loss, accuracy and ε so far."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "loss {task.fields[loss]:.3f}  acc {task.fields[acc]:.3f}  ε {task.fields[eps]:.3f}"
+        ),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def train_private(
+    private: PrivateTraining,
+    data: LoadedDataset,
+    console: Console,
+    eval_every: int,
+) -> list[dict[str, float]]:
+    """The user's ordinary loop, plus progress and periodic evaluation; returns the history."""
+    criterion = nn.CrossEntropyLoss()
+    history: list[dict[str, float]] = []
+    total = private.settings.steps
+    running_loss, running_correct, running_seen = 0.0, 0, 0
+    with _progress(console) as progress:
+        task = progress.add_task("DP-SGD", total=total, loss=math.nan, acc=math.nan, eps=0.0)
+        for step, (x, y) in enumerate(private.loader, start=1):  # one pass = the whole run
+            private.optimizer.zero_grad()
+            output = private.model(x)
+            loss = criterion(output, y)
+            loss.backward()
+            private.optimizer.step()
+            if len(y):
+                running_loss += float(loss) * len(y)
+                running_correct += int((output.argmax(dim=1) == y).sum())
+                running_seen += len(y)
+            if step % eval_every == 0 or step == total:
+                entry = {
+                    "step": step,
+                    "epoch": step
+                    * private.settings.expected_batch_size
+                    / private.settings.dataset_size,
+                    "train_loss": running_loss / max(running_seen, 1),
+                    "train_accuracy": running_correct / max(running_seen, 1),
+                    "test_accuracy": accuracy(private.model, data.test),
+                    "epsilon": private.epsilon(),
+                }
+                history.append(entry)
+                running_loss, running_correct, running_seen = 0.0, 0, 0
+                progress.update(
+                    task, loss=entry["train_loss"], acc=entry["test_accuracy"], eps=entry["epsilon"]
+                )
+            progress.update(task, advance=1)
+    return history
+
+
+def train_baseline(config: TrainConfig, data: LoadedDataset) -> float:
+    """The same model, optimizer and schedule without privacy: the accuracy DP is compared to."""
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, data.input_shape, data.num_classes)
+    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
+    generator = torch.Generator().manual_seed(config.seed)
+    loader = DataLoader(data.train, batch_size=config.batch_size, shuffle=True, generator=generator)
+    criterion = nn.CrossEntropyLoss()
+    epochs = max(1, math.ceil(config.epochs))
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            criterion(model(x), y).backward()
+            optimizer.step()
+    return accuracy(model, data.test)
+
+
+def run_training(config: TrainConfig, console: Console | None = None) -> TrainResult:
+    """Train, evaluate, write the run directory and the privacy report; return the figures."""
+    from dpfy.facts import ResultFacts, collect_facts, record_clip_norms
+    from dpfy.plots import plot_epsilon_curve, plot_training_curves
+    from dpfy.report import build_report
+
+    console = console or Console()
+    check_config(config)
+    run_dir = prepare_run_dir(config.out or default_run_dir(config))
+    started = time.perf_counter()
+    data = load_dataset(config.dataset, data_dir=config.data_dir)
+    delta = config.resolved_delta(len(data.train))
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, data.input_shape, data.num_classes)
+    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
+    private = make_private(
+        model,
+        optimizer,
+        data.train,
+        batch_size=config.batch_size,
+        epochs=config.epochs,
+        target_epsilon=config.target_epsilon,
+        delta=delta,
+        max_grad_norm=config.max_grad_norm,
+        engine=config.engine,
+        seed=config.seed,
+    )
+    console.print(
+        f"[bold]dpfy train[/] {config.dataset} ({len(data.train)} examples) · {config.model} · "
+        f"ε = {config.target_epsilon:g}, δ = {delta:g} · σ = {private.noise_multiplier:.3f}, "
+        f"q = {private.settings.sampling_rate:.4f}, {private.settings.steps} steps · "
+        f"engine {private.engine.kind}"
+    )
+    eval_every = max(1, private.settings.steps // 20)
+    with record_clip_norms(private) as norms:
+        history = train_private(private, data, console, eval_every)
+    test_accuracy = accuracy(private.model, data.test)
+    baseline = train_baseline(config, data) if config.baseline else None
+    seconds = time.perf_counter() - started
+    torch.save(private.model.state_dict(), run_dir / "model.pt")
+    (run_dir / "history.json").write_text(json.dumps(history, indent=2))
+    (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
+    facts = collect_facts(
+        private,
+        dataset_name=data.name,
+        model_name=config.model,
+        dataset_source=data.source,
+        preprocessing=data.preprocessing,
+        results=ResultFacts(test_accuracy=test_accuracy, baseline_accuracy=baseline),
+        grad_norms=norms.stats(config.max_grad_norm),
+        optimizer_name=config.optimizer,
+        learning_rate=config.lr,
+    )
+    report = build_report(facts)
+    facts.save(run_dir / "facts.json")
+    plot_epsilon_curve(facts, run_dir / "epsilon.png")
+    plot_training_curves(history, run_dir / "training.png")
+    (run_dir / "report.md").write_text(report.to_markdown())
+    (run_dir / "report.json").write_text(json.dumps(report.to_json(), indent=2))
+    return TrainResult(run_dir, test_accuracy, baseline, private.epsilon(), delta, seconds, history)
