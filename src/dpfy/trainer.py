@@ -45,11 +45,11 @@ class TrainConfig:
     model: str = "mlp"
     target_epsilon: float = 3.0
     delta: float | None = None
-    epochs: float = 30
-    batch_size: int = 256
+    epochs: float = 20
+    batch_size: int = 128
     max_grad_norm: float = 1.0
-    lr: float = 2.0
-    optimizer: str = "sgd"
+    lr: float = 0.01
+    optimizer: str = "adam"
     out: Path | None = None
     seed: int = 0
     baseline: bool = False
