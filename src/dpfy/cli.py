@@ -13,6 +13,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -21,6 +22,7 @@ from rich.table import Table
 
 from dpfy.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
+from dpfy.run_config import OPTIMIZER_NAMES, TrainConfig
 
 app = typer.Typer(
     name="dpfy",
@@ -155,6 +157,87 @@ def plan(
             "target_epsilon": target_epsilon,
         }
         _emit(result, "DP-SGD plan (add-or-remove adjacency, Poisson sampling)", as_json)
+
+
+OptimizerChoice = Enum("OptimizerChoice", {name: name for name in OPTIMIZER_NAMES}, type=str)
+_TRAIN = TrainConfig()
+_OPTIMIZER = OptimizerChoice(_TRAIN.optimizer)
+
+
+class ReportFormat(str, Enum):
+    """Report renderings."""
+
+    md = "md"
+    json = "json"
+
+
+@app.command()
+def train(
+    dataset: Annotated[str, typer.Option(help="digits, breast-cancer, fashion-mnist, …")] = (
+        _TRAIN.dataset
+    ),
+    model: Annotated[str, typer.Option(help="logreg, mlp or cnn (GroupNorm CNN).")] = _TRAIN.model,
+    target_epsilon: Annotated[float, typer.Option(help="The ε to spend.")] = _TRAIN.target_epsilon,
+    delta: Annotated[
+        float | None, typer.Option(help="δ; default: a power of ten at least 10× below 1/N.")
+    ] = _TRAIN.delta,
+    epochs: Annotated[float, typer.Option(help="Passes over the data.")] = _TRAIN.epochs,
+    batch_size: Annotated[int, typer.Option(help="Expected batch size B.")] = _TRAIN.batch_size,
+    max_grad_norm: Annotated[float, typer.Option(help="Clip norm C.")] = _TRAIN.max_grad_norm,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = _TRAIN.lr,
+    optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
+    out: Annotated[Path | None, typer.Option(help="Run directory (default: runs/…).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for init, sampling, noise.")] = _TRAIN.seed,
+    baseline: Annotated[bool, typer.Option("--baseline", help="Also train non-privately.")] = False,
+    data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
+    engine: Annotated[str, typer.Option(help="Gradient engine: auto, fast, vmap.")] = _TRAIN.engine,
+) -> None:
+    """Train with DP-SGD on a bundled real dataset and write the privacy report card."""
+    from dpfy.trainer import TrainConfig, run_training
+
+    with _user_errors():
+        if delta is not None and not (0 < delta < 1):
+            raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+        config = TrainConfig(
+            dataset=dataset, model=model, target_epsilon=target_epsilon, delta=delta,
+            epochs=epochs, batch_size=batch_size, max_grad_norm=max_grad_norm, lr=lr,
+            optimizer=optimizer.value, out=out, seed=seed, baseline=baseline,
+            data_dir=data_dir, engine=engine,
+        )  # fmt: skip
+        console = Console()
+        result = run_training(config, console)
+        table = Table(title=f"Run {result.run_dir}", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        table.add_row("test accuracy (DP)", f"{result.test_accuracy:.4f}")
+        if result.baseline_accuracy is not None:
+            table.add_row("test accuracy (non-private)", f"{result.baseline_accuracy:.4f}")
+        table.add_row("ε spent", f"{result.epsilon:.4f} at δ = {result.delta:g}")
+        table.add_row("time", f"{result.seconds:.1f} s")
+        console.print(table)
+        console.print((result.run_dir / "report.md").read_text(), markup=False)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `dpfy train`.")],
+    format: Annotated[ReportFormat, typer.Option(help="md or json.")] = ReportFormat.md,
+) -> None:
+    """Re-render a run's privacy report card from the facts it saved."""
+    from dpfy.facts import RunFacts
+    from dpfy.report import build_report
+
+    with _user_errors():
+        path = run_dir / "facts.json"
+        if not path.exists():
+            raise ValueError(
+                f"{run_dir} holds no dpfy run (no facts.json); pass a `dpfy train` run directory"
+            )
+        card = build_report(RunFacts.load(path))
+        if format is ReportFormat.json:
+            typer.echo(json.dumps(card.to_json(), indent=2))
+        else:
+            typer.echo(card.to_markdown())
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dpfy._validate import check_count, check_positive
 from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.models import build_model
+from dpfy.run_config import TrainConfig
 from dpfy.session import PrivateTraining, make_private
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -35,32 +36,6 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 
 #: Files whose presence marks a directory as holding a finished run (never overwritten).
 FINISHED_MARKERS = ("report.json", "facts.json")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything ``dpfy train`` needs; the defaults train digits at ε = 3 in under a minute."""
-
-    dataset: str = "digits"
-    model: str = "mlp"
-    target_epsilon: float = 3.0
-    delta: float | None = None
-    epochs: float = 20
-    batch_size: int = 128
-    max_grad_norm: float = 1.0
-    lr: float = 0.01
-    optimizer: str = "adam"
-    out: Path | None = None
-    seed: int = 0
-    baseline: bool = False
-    data_dir: Path | None = None
-    engine: str = "auto"
-
-    def resolved_delta(self, dataset_size: int) -> float:
-        """δ as given, or a power of ten at least 10× below 1/N (guide §2.1: δ ≪ 1/N)."""
-        if self.delta is not None:
-            return self.delta
-        return 10.0 ** -(math.ceil(math.log10(dataset_size)) + 1)
 
 
 @dataclass
