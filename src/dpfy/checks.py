@@ -11,6 +11,10 @@ safe.
 :func:`check_model` refuses such models with one ValueError naming every offending layer and the
 fix; :func:`fix` replaces those layers (BatchNorm → GroupNorm, InstanceNorm → the same
 InstanceNorm without running statistics) and touches nothing else.
+
+:func:`find_sparse_gradient_layers` lists embeddings with sparse gradients for the privacy report
+(guide §5.4.1, tab. 5); dpfy noises every coordinate densely, so they are noted, not refused. The
+run-level pitfall detectors that read a run's facts live in :mod:`dpfy.pitfalls`.
 """
 
 from __future__ import annotations
@@ -93,6 +97,29 @@ def _inspect(path: str, module: nn.Module) -> ModelFinding | None:
     if isinstance(module, _InstanceNorm) and module.track_running_stats:
         return ModelFinding(path, type(module).__name__, _INSTANCE_NORM_PROBLEM, _INSTANCE_NORM_FIX)
     return None
+
+
+_SPARSE_PROBLEM = (
+    "sparse=True makes the layer's plain gradient touch only the rows of the batch; a "
+    "sparse-aware update that skips zero rows would leave them un-noised and break the guarantee "
+    "(guide §5.4.1, tab. 5). dpfy adds dense noise to every coordinate of every trainable "
+    "parameter, so the guarantee holds, but the update is dense."
+)
+_SPARSE_FIX = (
+    "nothing is needed for correctness with dpfy; build the layer with sparse=False to avoid "
+    "converting sparse gradients, and never pair it with an optimizer that skips zero rows."
+)
+
+
+def find_sparse_gradient_layers(model: nn.Module) -> tuple[ModelFinding, ...]:
+    """Every embedding layer built with ``sparse=True`` (a report note, not a refusal)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return tuple(
+        ModelFinding(path, type(module).__name__, _SPARSE_PROBLEM, _SPARSE_FIX)
+        for path, module in model.named_modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+    )
 
 
 def check_model(model: nn.Module, *, strict: bool = True) -> tuple[ModelFinding, ...]:

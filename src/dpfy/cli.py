@@ -224,20 +224,14 @@ def report(
     format: Annotated[ReportFormat, typer.Option(help="md or json.")] = ReportFormat.md,
 ) -> None:
     """Re-render a run's privacy report card from the facts it saved."""
-    from dpfy.facts import RunFacts
-    from dpfy.report import build_report
+    from dpfy.report import render_run
 
     with _user_errors():
-        path = run_dir / "facts.json"
-        if not path.exists():
+        if not (run_dir / "facts.json").exists():
             raise ValueError(
                 f"{run_dir} holds no dpfy run (no facts.json); pass a `dpfy train` run directory"
             )
-        card = build_report(RunFacts.load(path))
-        if format is ReportFormat.json:
-            typer.echo(json.dumps(card.to_json(), indent=2))
-        else:
-            typer.echo(card.to_markdown())
+        typer.echo(render_run(run_dir, format.value))
 
 
 def main() -> None:

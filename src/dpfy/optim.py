@@ -23,7 +23,7 @@ import torch
 
 from dpfy._validate import check_count, check_positive
 from dpfy.data.records import SamplingRecord
-from dpfy.grads import GradEngine, LossReduction
+from dpfy.grads import ClipResult, GradEngine, LossReduction
 from dpfy.ledger import PrivacyLedger, StepRecord
 from dpfy.noise import NoiseSource, TorchNoise
 
@@ -111,6 +111,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.loss_reduction = loss_reduction
         self.noise = noise if noise is not None else TorchNoise()
         self.boundary = boundary if boundary is not None else BatchBoundary()
+        self.clip_observers: list[Callable[[ClipResult], None]] = []
 
     @property
     def step_record(self) -> StepRecord:
@@ -135,6 +136,8 @@ class DPOptimizer(torch.optim.Optimizer):
             self.loss_reduction,
             microbatch_size=self.settings.microbatch_size,
         )
+        for observe in self.clip_observers:  # diagnostics only: never fed back into training
+            observe(result)
         if not bool(torch.isfinite(result.norms).all()):
             self.engine.reset()
             raise NonFiniteGradientError(

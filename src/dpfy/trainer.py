@@ -136,7 +136,7 @@ def train_private(
             loss.backward()
             private.optimizer.step()
             if len(y):
-                running_loss += float(loss) * len(y)
+                running_loss += float(loss.detach()) * len(y)
                 running_correct += int((output.argmax(dim=1) == y).sum())
                 running_seen += len(y)
             if step % eval_every == 0 or step == total:
@@ -145,7 +145,7 @@ def train_private(
                     "epoch": step
                     * private.settings.expected_batch_size
                     / private.settings.dataset_size,
-                    "train_loss": running_loss / max(running_seen, 1),
+                    "loss": running_loss / max(running_seen, 1),
                     "train_accuracy": running_correct / max(running_seen, 1),
                     "test_accuracy": accuracy(private.model, data.test),
                     "epsilon": private.epsilon(),
@@ -153,7 +153,7 @@ def train_private(
                 history.append(entry)
                 running_loss, running_correct, running_seen = 0.0, 0, 0
                 progress.update(
-                    task, loss=entry["train_loss"], acc=entry["test_accuracy"], eps=entry["epsilon"]
+                    task, loss=entry["loss"], acc=entry["test_accuracy"], eps=entry["epsilon"]
                 )
             progress.update(task, advance=1)
     return history
@@ -179,8 +179,7 @@ def train_baseline(config: TrainConfig, data: LoadedDataset) -> float:
 def run_training(config: TrainConfig, console: Console | None = None) -> TrainResult:
     """Train, evaluate, write the run directory and the privacy report; return the figures."""
     from dpfy.facts import ResultFacts, collect_facts, record_clip_norms
-    from dpfy.plots import plot_epsilon_curve, plot_training_curves
-    from dpfy.report import build_report
+    from dpfy.report import write_report
 
     console = console or Console()
     check_config(config)
@@ -224,15 +223,10 @@ def run_training(config: TrainConfig, console: Console | None = None) -> TrainRe
         model_name=config.model,
         dataset_source=data.source,
         preprocessing=data.preprocessing,
-        results=ResultFacts(test_accuracy=test_accuracy, baseline_accuracy=baseline),
+        results=ResultFacts(accuracy=test_accuracy, baseline_accuracy=baseline),
         grad_norms=norms.stats(config.max_grad_norm),
         optimizer_name=config.optimizer,
         learning_rate=config.lr,
     )
-    report = build_report(facts)
-    facts.save(run_dir / "facts.json")
-    plot_epsilon_curve(facts, run_dir / "epsilon.png")
-    plot_training_curves(history, run_dir / "training.png")
-    (run_dir / "report.md").write_text(report.to_markdown())
-    (run_dir / "report.json").write_text(json.dumps(report.to_json(), indent=2))
+    write_report(facts, run_dir, history=history)
     return TrainResult(run_dir, test_accuracy, baseline, private.epsilon(), delta, seconds, history)
