@@ -7,7 +7,7 @@ The captured tensors live in :class:`Call` objects held by the engine's :class:`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -36,10 +36,19 @@ class Call:
     versions: tuple[int | None, ...]
     trainable: frozenset[str]
     group: int = 1
+    #: Scratch space a rule may fill in ``sq_norms`` and read in ``clipped_sum`` of the same step
+    #: (e.g. per-unit gradients it had to form anyway); dropped with the call.
+    cache: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    #: Per-example gradients (B, F) by parameter name, when the engine reduced the call to them
+    #: during backward (inputs and output gradients are then released); ``size`` is then B.
+    compact: dict[str, Tensor] | None = None
+    size: int | None = None
 
     @property
     def batch_size(self) -> int:
         """Number of examples in this call (first tensor input, batch-first)."""
+        if self.size is not None:
+            return self.size
         first = next(x for x in self.inputs if isinstance(x, Tensor))
         return first.shape[0]
 
@@ -66,6 +75,7 @@ class Tap:
     skip_param_grad: bool
     calls: list[Call] = dataclasses.field(default_factory=list)
     frozen: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    reroot: bool = False
 
 
 def output_tensors(value: Any) -> Iterable[Tensor]:
@@ -80,9 +90,12 @@ def output_tensors(value: Any) -> Iterable[Tensor]:
 class Taps:
     """Registers and removes the capture hooks on a set of layers; holds their captured calls."""
 
-    def __init__(self, taps: list[Tap]) -> None:
+    def __init__(
+        self, taps: list[Tap], on_ready: Callable[[Tap, Call], None] | None = None
+    ) -> None:
         self.taps = taps
         self.active = True
+        self.on_ready = on_ready  # called in backward once a one-output call has its gradient
         self._handles: list[RemovableHandle] = []
 
     def attach(self) -> None:
@@ -112,27 +125,36 @@ class Taps:
             tap.calls.clear()
 
     def _pre(self, tap: Tap, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Stop autograd computing this layer's ordinary parameter gradient (wasted work)."""
+        """Stop autograd computing this layer's ordinary parameter gradient (wasted work).
+
+        Safe when every floating input requires grad (outputs keep their graph through the
+        inputs) or none does (the outputs are then re-rooted as fresh leaves in ``_post``, so
+        backward stops there after handing us their gradients). Mixed inputs are left alone.
+        """
         if not (self.active and tap.skip_param_grad and torch.is_grad_enabled()):
             return
-        floats = [x for x in args if isinstance(x, Tensor) and x.is_floating_point()]
-        if not floats or not all(x.requires_grad for x in floats):
-            return  # an output could lose its graph; let autograd compute (we discard) it
+        needs = [x.requires_grad for x in args if isinstance(x, Tensor) and x.is_floating_point()]
+        if any(needs) and not all(needs):
+            return  # some outputs could lose their graph; let autograd compute (we discard) it
         for name in tap.trainable:
             param = getattr(module, name)
             if param.requires_grad:
                 param.requires_grad_(False)
                 tap.frozen.append(param)
+        tap.reroot = bool(tap.frozen) and not any(needs)
 
-    def _post(self, tap: Tap, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _post(self, tap: Tap, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Restore the parameters, keep the inputs, and hook the gradient of each output."""
+        reroot, tap.reroot = tap.reroot, False
         self._unfreeze(tap)
         if not (self.active and torch.is_grad_enabled()):
-            return
+            return None
+        if reroot:
+            output = _reroot(output)
         every = list(output_tensors(output))
         index = [j for j, t in enumerate(every) if t.requires_grad]
         if not index:
-            return
+            return None
         outputs = [every[j] for j in index]
         call = Call(
             inputs=tuple(args),
@@ -144,7 +166,15 @@ class Taps:
         )
         tap.calls.append(call)
         for j, out in enumerate(outputs):
-            out.register_hook(partial(_store_grad, call, j))
+            out.register_hook(partial(self._store_grad, tap, call, j))
+        return output if reroot else None
+
+    def _store_grad(self, tap: Tap, call: Call, index: int, grad: Tensor) -> None:
+        """Tensor hook: keep the gradient of one output; hand a complete call to ``on_ready``."""
+        previous = call.grads[index]
+        call.grads[index] = grad if previous is None else previous + grad
+        if self.on_ready is not None and len(call.grads) == 1:
+            self.on_ready(tap, call)
 
     @staticmethod
     def _unfreeze(tap: Tap) -> None:
@@ -154,7 +184,11 @@ class Taps:
         tap.frozen.clear()
 
 
-def _store_grad(call: Call, index: int, grad: Tensor) -> None:
-    """Tensor hook: keep the gradient of one output (summed if it arrives in parts)."""
-    previous = call.grads[index]
-    call.grads[index] = grad if previous is None else previous + grad
+def _reroot(output: Any) -> Any:
+    """Floating output tensors as new leaves that require grad (same values, no history)."""
+    if isinstance(output, Tensor):
+        return output.detach().requires_grad_() if output.is_floating_point() else output
+    if isinstance(output, (tuple, list)):
+        items = [_reroot(item) for item in output]
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    return output

@@ -64,7 +64,7 @@ class GradEngine:
                 self.params[param_names[id(param)]] = param
         self._acc: dict[str, Tensor] = {}
         self.num_examples = 0  # examples accumulated since the last reset
-        self._taps = Taps(taps)
+        self._taps = Taps(taps, on_ready=self._on_ready)
         self._taps.attach()
         self._attached = True
 
@@ -106,6 +106,7 @@ class GradEngine:
             base = float(n) if loss_reduction == "mean" else 1.0
             scale = base / sizes  # unit gradient = scale · (sum of captured gradients)
             sq = self._unit_sq_norms(calls, n, group)
+            calls.clear()  # the engine keeps what it needs; let summed layers free their tensors
             scale = scale.to(sq.device, sq.dtype)
             norms = sq.clamp_min(0).sqrt() * scale
             factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
@@ -155,13 +156,18 @@ class GradEngine:
     def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
         """Engine-specific refusals (the fast engine refuses repeated calls)."""
 
+    def _on_ready(self, tap: Tap, call: Call) -> None:
+        """Called during backward when a one-output call has its gradient (default: nothing)."""
+
     # ---------------------------------------------------------------- helpers
 
     def _collect_calls(self) -> list[tuple[Tap, Call]]:
         """Calls whose outputs got gradients, checked; also catches parameters used unseen."""
         seen: list[tuple[Tap, Call]] = []
         for tap in self._taps.take():
-            live = [c for c in tap.calls if any(g is not None for g in c.grads)]
+            live = [
+                c for c in tap.calls if c.compact is not None or any(g is not None for g in c.grads)
+            ]
             self._check_calls(tap, live)
             for call in live:
                 if call.stale_input():
@@ -198,9 +204,11 @@ class GradEngine:
     def _batch_size(self, calls: list[tuple[Tap, Call]]) -> int:
         """The batch size every captured call agrees on (0 when nothing was captured)."""
         sizes = {
-            (tap.name, call.inputs[0].shape[self.batch_dim(tap, call)])
+            (tap.name, call.size)
+            if call.size is not None
+            else (tap.name, call.inputs[0].shape[self.batch_dim(tap, call)])
             for tap, call in calls
-            if isinstance(call.inputs[0], Tensor)
+            if call.size is not None or isinstance(call.inputs[0], Tensor)
         }
         values = {s for _, s in sizes}
         if len(values) > 1:

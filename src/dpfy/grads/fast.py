@@ -6,6 +6,9 @@ their sum over layers gives each unit's total norm and clip factor, and the same
 the clipped sum directly ("book-keeping", Bu et al. 2023). While a watched layer runs forward,
 its parameters' ``requires_grad`` is switched off so autograd does not compute the ordinary
 (unclipped) parameter gradient that would be thrown away; the graph to the layer's input is kept.
+Layers whose per-example gradients are small (convolutions on the direct route, normalisation
+layers) are reduced to them during backward, so their activations and output gradients are
+released early.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from torch import Tensor
 
 from dpfy.grads.capture import Call, Tap
 from dpfy.grads.engine import GradEngine
-from dpfy.grads.layout import prepare_call
+from dpfy.grads.layout import pad_batch, prepare_call
 from dpfy.grads.registry import LayerRule, find_rule
 
 __all__ = ["FastEngine"]
+
+_Pending = tuple[Tap, type[LayerRule], Call, dict[str, Tensor] | None]
 
 
 class FastEngine(GradEngine):
@@ -30,7 +35,13 @@ class FastEngine(GradEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Same arguments as :class:`GradEngine`; every tap must have a rule."""
         super().__init__(*args, **kwargs)
-        self._pending: list[tuple[Tap, type[LayerRule], Call]] = []
+        self._pending: list[_Pending] = []
+
+    def _rule(self, tap: Tap) -> type[LayerRule]:
+        """The tap's rule (``make_engine`` checked that there is one)."""
+        rule = find_rule(tap.module)
+        assert rule is not None, f"no rule for {tap.name}"
+        return rule
 
     def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
         """Refuse a layer used more than once in one forward pass (its norms would couple)."""
@@ -40,26 +51,52 @@ class FastEngine(GradEngine):
                 "fast engine does not support repeated use. Use make_engine(..., engine='vmap')"
             )
 
+    def _on_ready(self, tap: Tap, call: Call) -> None:
+        """During backward: reduce the call to per-example gradients where its rule says so."""
+        if call.stale_input() or len(tap.calls) > 1:
+            return  # clip_and_accumulate reports these
+        prepared = prepare_call(call, self.batch_dim(tap, call), 1)
+        grads = self._rule(tap).per_example_grads(tap.module, prepared)
+        if grads is None:
+            return
+        call.compact, call.size = grads, prepared.batch_size
+        call.inputs, call.versions, call.grads, call.out_meta = (), (), [], []
+
     def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], n: int, group: int) -> Tensor:
-        """Sum each layer rule's per-unit squared norms."""
+        """Sum each layer's per-unit squared norms (from its rule, or its compact gradients)."""
         self._pending = []
         total: Tensor | None = None
+        units = -(-n // group)
         for tap, call in calls:
-            rule = find_rule(tap.module)
-            assert rule is not None, f"no rule for {tap.name}"  # checked by make_engine
-            prepared = prepare_call(call, self.batch_dim(tap, call), group)
-            self._pending.append((tap, rule, prepared))
-            sq = rule.sq_norms(tap.module, prepared)
+            rule = self._rule(tap)
+            if call.compact is not None:
+                grouped = {
+                    name: pad_batch(rows, units * group).reshape(units, group, -1).sum(1)
+                    for name, rows in call.compact.items()
+                }
+                self._pending.append((tap, rule, call, grouped))
+                sq = sum(g.square().sum(1) for g in grouped.values())
+            else:
+                prepared = prepare_call(call, self.batch_dim(tap, call), group)
+                self._pending.append((tap, rule, prepared, None))
+                sq = rule.sq_norms(tap.module, prepared)
             total = sq if total is None else total + sq
         assert total is not None
         return total
 
     def _unit_weighted_sums(self, weights: Tensor) -> dict[str, Tensor]:
-        """Each layer rule's book-keeping sum, keyed by the parameter's name in the model."""
+        """Each layer's clipped sum, keyed by the parameter's name in the model."""
         out: dict[str, Tensor] = {}
         try:
-            for tap, rule, call in self._pending:
-                for local, value in rule.clipped_sum(tap.module, call, weights).items():
+            while self._pending:  # release each layer's captures as soon as it is summed
+                tap, rule, call, grouped = self._pending.pop()
+                if grouped is not None:
+                    sums = {name: weights.to(g.dtype) @ g for name, g in grouped.items()}
+                else:
+                    sums = rule.clipped_sum(tap.module, call, weights)
+                tap.calls.clear()
+                del call, grouped
+                for local, value in sums.items():
                     out[self._names[id(getattr(tap.module, local))]] = value
         finally:
             self._pending = []

@@ -9,7 +9,14 @@ from torch import Tensor
 
 from dpfy.grads.capture import Call
 
-__all__ = ["flatten_positions", "group_positions", "pad_batch", "prepare_call"]
+__all__ = [
+    "BATCH_SLICES",
+    "batch_slices",
+    "flatten_positions",
+    "group_positions",
+    "pad_batch",
+    "prepare_call",
+]
 
 
 def pad_batch(x: Tensor, size: int) -> Tensor:
@@ -56,3 +63,14 @@ def group_positions(x: Tensor, group: int) -> Tensor:
 def flatten_positions(x: Tensor) -> Tensor:
     """(B, *, d) → (B, T, d): every middle dim is a position (a 2-D input gets T = 1)."""
     return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+#: Large per-example reductions run over this many slices of the batch, so that their
+#: temporaries stay a fraction of the activations they read (peak memory).
+BATCH_SLICES = 4
+
+
+def batch_slices(batch: int) -> list[slice]:
+    """Up to ``BATCH_SLICES`` consecutive slices covering ``range(batch)``."""
+    step = max(1, -(-batch // BATCH_SLICES))
+    return [slice(start, start + step) for start in range(0, batch, step)]

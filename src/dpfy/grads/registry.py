@@ -1,6 +1,6 @@
 """Registry of per-layer rules for the fast engine, keyed on the layer class.
 
-A rule is a small class of two pure static functions with one shared signature:
+A rule is a small class of pure static functions with one shared signature:
 
 * ``sq_norms(layer, call) -> Tensor[U]``: the squared norm of each clipping unit's gradient with
   respect to the layer's *own* trainable parameters (a unit is one example, or one microbatch);
@@ -28,8 +28,8 @@ class LayerRule:
     """Base class of a rule: per-unit squared norms and the weighted gradient sum of one layer."""
 
     #: Whether the fast engine may stop autograd computing this layer's ordinary parameter
-    #: gradient (it is recomputed, clipped, by ``clipped_sum``). False where the layer's input
-    #: never requires grad (e.g. embedding indices), because the output would then lose its graph.
+    #: gradient (the rule recomputes it, clipped). Only for layers whose forward is pure: the
+    #: output may be re-rooted as a fresh leaf when no input requires grad.
     skip_param_grad: ClassVar[bool] = True
 
     #: Channels-first layers (convolutions, GroupNorm) see the batch in dim 0 even in a
@@ -39,6 +39,17 @@ class LayerRule:
     @staticmethod
     def unsupported_reason(layer: nn.Module) -> str | None:
         """Say why this particular layer's configuration is outside the rule (None: supported)."""
+        return None
+
+    @staticmethod
+    def per_example_grads(layer: nn.Module, call: Call) -> dict[str, Tensor] | None:
+        """Per-example gradients (B, F) by name, where they are smaller than what is captured.
+
+        Optional. The fast engine calls it during backward, as soon as the output gradient
+        arrives, and then releases the call's inputs and output gradient, which lowers peak
+        memory (e.g. convolutions: B·C_out·C_in·k² numbers instead of activations that scale
+        with the image size). None: keep the call for ``sq_norms`` and ``clipped_sum``.
+        """
         return None
 
     @staticmethod

@@ -131,6 +131,11 @@ class DPMultiheadAttention(nn.Module):
                 "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
                 "module method `generate_square_subsequent_mask` to create this mask."
             )
+        # As torch does: the causal hint replaces the mask when no weights or padding mask are
+        # needed (scaled_dot_product_attention then applies its own causal mask).
+        causal = is_causal and key_padding_mask is None and not need_weights
+        if causal:
+            attn_mask = None
         unbatched = query.dim() == 2
         if unbatched:
             batch_dim = 0 if self.batch_first else 1
@@ -177,7 +182,9 @@ class DPMultiheadAttention(nn.Module):
             if unbatched:
                 weights = weights.squeeze(0)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal
+            )
         out = out.transpose(1, 2).reshape(batch, tgt_len, self.embed_dim)
         if not self.batch_first:
             out = out.transpose(0, 1)

@@ -40,23 +40,40 @@ def direct_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
 
 
-def weight_sq_norms(a: Tensor, g: Tensor) -> Tensor:
-    """Per-unit squared weight-gradient norm, by the cheapest exact route for these shapes."""
+def weight_sq_norms(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Per-unit squared weight-gradient norms by the cheapest exact route for these shapes.
+
+    Returns the norms and, when the direct route formed them anyway, the per-unit gradients
+    (U, p, d) so that the clipped sum can reuse them instead of a second matrix product.
+    """
     positions = a.shape[1]
     if positions == 1:  # rank one: ‖g aᵀ‖ = ‖g‖·‖a‖
-        return a.square().sum((1, 2)) * g.square().sum((1, 2))
+        return a[:, 0].square().sum(1) * g[:, 0].square().sum(1), None
     if use_ghost(positions, a.shape[2], g.shape[2]):
-        return ghost_sq_norms(a, g)
-    return direct_sq_norms(a, g)
+        return ghost_sq_norms(a, g), None
+    grads = torch.bmm(g.transpose(1, 2), a)
+    return grads.square().sum((1, 2)), grads
+
+
+def _position_sum(g: Tensor) -> Tensor:
+    """Σ_t g_t: (U, T, p) → (U, p), without a reduction kernel when T = 1."""
+    return g[:, 0] if g.shape[1] == 1 else g.sum(1)
 
 
 def bias_sq_norms(g: Tensor) -> Tensor:
     """Per-unit squared norm of the bias gradient Σ_t g_t: (U, T, p) → (U,)."""
-    return g.sum(1).square().sum(1)
+    return _position_sum(g).square().sum(1)
 
 
-def weighted_weight_sum(a: Tensor, g: Tensor, weights: Tensor) -> Tensor:
-    """Σ_u w_u Σ_t g_ut a_utᵀ as one matrix product: (U, T, d), (U, T, p), (U,) → (p, d)."""
+def weighted_weight_sum(
+    a: Tensor, g: Tensor, weights: Tensor, unit_grads: Tensor | None = None
+) -> Tensor:
+    """Σ_u w_u Σ_t g_ut a_utᵀ as one matrix product: (U, T, d), (U, T, p), (U,) → (p, d).
+
+    With ``unit_grads`` (U, p, d) from :func:`weight_sq_norms`, a weighted sum of those instead.
+    """
+    if unit_grads is not None:
+        return torch.tensordot(weights.to(unit_grads.dtype), unit_grads, dims=1)
     w = weights.to(a.dtype)[:, None, None]
     if a.shape[2] <= g.shape[2]:
         a = a * w
@@ -67,4 +84,4 @@ def weighted_weight_sum(a: Tensor, g: Tensor, weights: Tensor) -> Tensor:
 
 def weighted_bias_sum(g: Tensor, weights: Tensor) -> Tensor:
     """Σ_u w_u Σ_t g_ut: (U, T, p), (U,) → (p,)."""
-    return weights.to(g.dtype) @ g.sum(1)
+    return weights.to(g.dtype) @ _position_sum(g)

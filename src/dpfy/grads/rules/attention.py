@@ -47,9 +47,12 @@ class InProjectionRule(LayerRule):
     def sq_norms(layer: nn.Module, call: Call) -> Tensor:
         """Sum over q, k, v of weight and bias norms."""
         total = call.inputs[0].new_zeros(call.num_units)
-        for name, a, g in _pairs(layer, call):
+        for j, (name, a, g) in enumerate(_pairs(layer, call)):
             if name in call.trainable:
-                total = total + weight_sq_norms(a, g)
+                sq, unit_grads = weight_sq_norms(a, g)
+                total = total + sq
+                if unit_grads is not None:
+                    call.cache[str(j)] = unit_grads
             if "in_proj_bias" in call.trainable:
                 total = total + bias_sq_norms(g)
         return total
@@ -59,9 +62,10 @@ class InProjectionRule(LayerRule):
         """Book-keeping sums per projection, re-packed into the module's parameters."""
         pairs = _pairs(layer, call)
         blocks: dict[str, list[Tensor]] = {}
-        for name, a, g in pairs:
+        for j, (name, a, g) in enumerate(pairs):
             if name in call.trainable:
-                blocks.setdefault(name, []).append(weighted_weight_sum(a, g, weights))
+                block = weighted_weight_sum(a, g, weights, call.cache.get(str(j)))
+                blocks.setdefault(name, []).append(block)
         out = {name: torch.cat(parts) for name, parts in blocks.items()}
         if "in_proj_bias" in call.trainable:
             out["in_proj_bias"] = torch.cat([weighted_bias_sum(g, weights) for _, _, g in pairs])

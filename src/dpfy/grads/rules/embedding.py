@@ -28,8 +28,6 @@ def _indices_and_grads(layer: nn.Embedding, call: Call) -> tuple[Tensor, Tensor]
 class EmbeddingRule(LayerRule):
     """Weight gradient rows Σ_{t: idx_t = v} g_t per unit."""
 
-    skip_param_grad = False  # indices never require grad: the output's graph needs the weight
-
     @staticmethod
     def unsupported_reason(layer: nn.Module) -> str | None:
         """``scale_grad_by_freq`` scales by batch-wide counts, coupling the examples."""

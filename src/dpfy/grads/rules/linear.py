@@ -30,7 +30,10 @@ class LinearRule(LayerRule):
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
         total = a.new_zeros(a.shape[0])
         if "weight" in call.trainable:
-            total = total + weight_sq_norms(a, g)
+            sq, unit_grads = weight_sq_norms(a, g)
+            total = total + sq
+            if unit_grads is not None:
+                call.cache["weight"] = unit_grads
         if "bias" in call.trainable:
             total = total + bias_sq_norms(g)
         return total
@@ -41,7 +44,7 @@ class LinearRule(LayerRule):
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
         out = {}
         if "weight" in call.trainable:
-            out["weight"] = weighted_weight_sum(a, g, weights)
+            out["weight"] = weighted_weight_sum(a, g, weights, call.cache.get("weight"))
         if "bias" in call.trainable:
             out["bias"] = weighted_bias_sum(g, weights)
         return out

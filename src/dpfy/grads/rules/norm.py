@@ -7,10 +7,15 @@ per unit, so they are formed outright (recomputing x̂, which autograd does not 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpfy.grads.capture import Call
+from dpfy.grads.layout import batch_slices
 from dpfy.grads.registry import LayerRule, register_rule
 
 
@@ -19,15 +24,23 @@ def _per_unit(x: Tensor, group: int) -> Tensor:
     return x if group == 1 else x.reshape(-1, group, x.shape[1]).sum(1)
 
 
-def _last_dims_grads(call: Call, x_hat: Tensor, size: int) -> dict[str, Tensor]:
-    """Per-unit affine gradients when the parameters cover the last dims (size features)."""
-    g = call.grads[0]
-    batch = g.shape[0]
+def _affine_grads(
+    call: Call,
+    normalise: Callable[[Tensor], Tensor],
+    positions_features: Callable[[Tensor], Tensor],
+) -> dict[str, Tensor]:
+    """Per-unit Σ_positions g ⊙ x̂ (weight) and Σ_positions g (bias), as (U, F) rows.
+
+    ``positions_features`` views a batch slice as (b, positions, features). x̂ and g ⊙ x̂ are
+    formed one batch slice at a time, so their temporaries stay small.
+    """
+    x, g = call.inputs[0], call.grads[0]
     out = {}
     if "weight" in call.trainable:
-        out["weight"] = _per_unit((g * x_hat).reshape(batch, -1, size).sum(1), call.group)
+        rows = [positions_features(g[s] * normalise(x[s])).sum(1) for s in batch_slices(len(x))]
+        out["weight"] = _per_unit(torch.cat(rows), call.group)
     if "bias" in call.trainable:
-        out["bias"] = _per_unit(g.reshape(batch, -1, size).sum(1), call.group)
+        out["bias"] = _per_unit(positions_features(g).sum(1), call.group)
     return out
 
 
@@ -38,6 +51,13 @@ class _AffineRule(LayerRule):
     def unit_grads(layer: nn.Module, call: Call) -> dict[str, Tensor]:
         """Per-unit gradients (U, F) of the layer's trainable affine parameters, by name."""
         raise NotImplementedError
+
+    @classmethod
+    def per_example_grads(  # type: ignore[override]
+        cls, layer: nn.Module, call: Call
+    ) -> dict[str, Tensor] | None:
+        """Always: one feature vector per example, smaller than the activations."""
+        return cls.unit_grads(layer, call)
 
     @classmethod
     def sq_norms(cls, layer: nn.Module, call: Call) -> Tensor:  # type: ignore[override]
@@ -61,8 +81,12 @@ class LayerNormRule(_AffineRule):
     @staticmethod
     def unit_grads(layer: nn.Module, call: Call) -> dict[str, Tensor]:
         """Per-unit Σ g ⊙ x̂ and Σ g over the leading (position) dims."""
-        x_hat = F.layer_norm(call.inputs[0], layer.normalized_shape, eps=layer.eps)
-        return _last_dims_grads(call, x_hat, layer.weight.numel())
+        size = math.prod(layer.normalized_shape)
+        return _affine_grads(
+            call,
+            lambda x: F.layer_norm(x, layer.normalized_shape, eps=layer.eps),
+            lambda t: t.reshape(t.shape[0], -1, size),
+        )
 
 
 @register_rule(nn.RMSNorm)
@@ -72,8 +96,12 @@ class RMSNormRule(_AffineRule):
     @staticmethod
     def unit_grads(layer: nn.Module, call: Call) -> dict[str, Tensor]:
         """Per-unit Σ g ⊙ x̂ over the leading (position) dims."""
-        x_hat = F.rms_norm(call.inputs[0], layer.normalized_shape, eps=layer.eps)
-        return _last_dims_grads(call, x_hat, layer.weight.numel())
+        size = math.prod(layer.normalized_shape)
+        return _affine_grads(
+            call,
+            lambda x: F.rms_norm(x, layer.normalized_shape, eps=layer.eps),
+            lambda t: t.reshape(t.shape[0], -1, size),
+        )
 
 
 @register_rule(nn.GroupNorm)
@@ -85,12 +113,9 @@ class GroupNormRule(_AffineRule):
     @staticmethod
     def unit_grads(layer: nn.Module, call: Call) -> dict[str, Tensor]:
         """Per-unit Σ_spatial g ⊙ x̂ and Σ_spatial g per channel."""
-        x, g = call.inputs[0], call.grads[0]
-        batch, channels = x.shape[:2]
-        x_hat = F.group_norm(x, layer.num_groups, eps=layer.eps)
-        out = {}
-        if "weight" in call.trainable:
-            out["weight"] = _per_unit((g * x_hat).reshape(batch, channels, -1).sum(2), call.group)
-        if "bias" in call.trainable:
-            out["bias"] = _per_unit(g.reshape(batch, channels, -1).sum(2), call.group)
-        return out
+        channels = call.inputs[0].shape[1]
+        return _affine_grads(
+            call,
+            lambda x: F.group_norm(x, layer.num_groups, eps=layer.eps),
+            lambda t: t.reshape(t.shape[0], channels, -1).transpose(1, 2),
+        )
