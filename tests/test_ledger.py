@@ -447,3 +447,10 @@ def test_every_event_kind_survives_the_json_codec():
         assert decode_event(json.loads(json.dumps(encode_event(event)))) == event
     with pytest.raises(ValueError, match="DpEvent"):
         toy().record_event([1, 2])
+
+
+def test_replace_one_ledger_has_no_poisson_figure():
+    """Fixed-size runs are accounted under replace-one; no add-or-remove ε is mixed in."""
+    ledger = PrivacyLedger(1e-5, accountant="rdp", relation="replace-one")
+    with pytest.raises(ValueError, match="not comparable"):
+        ledger.epsilon_under_poisson_assumption()

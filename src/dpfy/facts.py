@@ -483,11 +483,9 @@ def _epsilons(
 
 def _poisson_epsilon(ledger: PrivacyLedger) -> float | None:
     """The ledger's ε as if every step were Poisson-sampled, or None where that has no bound."""
-    from dpfy.accounting import UnsupportedEventError
-
     try:
         return ledger.epsilon_under_poisson_assumption()
-    except UnsupportedEventError:
+    except ValueError:  # a replace-one ledger: no comparable Poisson figure
         return None
 
 

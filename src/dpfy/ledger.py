@@ -313,8 +313,16 @@ class PrivacyLedger:
         """Total ε if every step had been Poisson-sampled at its q (guide §4.3 comparison).
 
         Equal to :meth:`epsilon` for Poisson and shuffled runs (shuffling is already accounted
-        under this assumption); for fixed-size sampling it is the Poisson figure at the same q.
+        under this assumption). A replace-one ledger (fixed-size sampling) has no such figure:
+        Poisson sampling is accounted under add-or-remove, and ε under different relations is
+        never compared (DESIGN rule 7), so it raises ValueError.
         """
+        if self.relation is NeighbouringRelation.REPLACE_ONE:
+            raise ValueError(
+                "no ε under the Poisson assumption for a replace-one ledger: Poisson sampling is "
+                "accounted under add-or-remove adjacency, and ε under different relations is not "
+                "comparable"
+            )
         return self._epsilon(None, True, delta)
 
     @property
