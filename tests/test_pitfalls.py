@@ -15,7 +15,6 @@ from dpfy.facts import (
     DatasetFacts,
     GradNormStats,
     PreprocessingStep,
-    PrivacyFacts,
     RunFacts,
     TrainingFacts,
     TuningFacts,
@@ -24,6 +23,7 @@ from dpfy.facts import (
 )
 from dpfy.ledger import PrivacyLedger, StepRecord
 from dpfy.pitfalls import DETECTORS, Finding, Severity, detector, find_pitfalls
+from dpfy.settings import PrivacySettings
 
 N, B, SIGMA, C, DELTA, STEPS = 10_000, 100, 1.0, 1.0, 1e-6, 50
 
@@ -45,7 +45,7 @@ def clean() -> RunFacts:
     return RunFacts(
         dataset=DatasetFacts("synthetic", N),
         model=model_facts(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), "mlp"),
-        privacy=PrivacyFacts(
+        privacy=PrivacySettings(
             N, B, B / N, STEPS, SIGMA, C, DELTA, None, "pld", "poisson", None, "mean"
         ),
         training=TrainingFacts("SGD", 0.1, STEPS, STEPS * B / N),

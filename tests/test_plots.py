@@ -18,7 +18,6 @@ from dpfy.accounting import (
 from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.facts import (
     DatasetFacts,
-    PrivacyFacts,
     RunFacts,
     TrainingFacts,
     accounting_facts,
@@ -26,6 +25,7 @@ from dpfy.facts import (
 )
 from dpfy.ledger import PrivacyLedger, StepRecord
 from dpfy.plots import CURVE_POINTS, epsilon_curve, plot_epsilon_curve, plot_training_curves
+from dpfy.settings import PrivacySettings
 
 N, B, DELTA = 5_000, 50, 1e-5
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -111,7 +111,7 @@ def test_epsilon_curve_from_saved_facts_marks_unmet_assumption_and_tuning(tmp_pa
     facts = RunFacts(
         dataset=DatasetFacts("d", N),
         model=model_facts(nn.Linear(2, 2), "m"),
-        privacy=PrivacyFacts(
+        privacy=PrivacySettings(
             N, B, B / N, 30, 1.0, 1.0, DELTA, None, "pld", "shuffle", None, "mean"
         ),
         training=TrainingFacts("SGD", 0.1, 30, 0.3),

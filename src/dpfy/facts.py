@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dpfy._validate import check_count, check_delta, check_positive
+from dpfy.settings import PrivacySettings
 
 if TYPE_CHECKING:
     from torch import nn
@@ -193,29 +194,6 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
-class PrivacyFacts:
-    """The settings the run was made private with (``PrivateTraining.settings``)."""
-
-    dataset_size: int
-    expected_batch_size: int
-    sampling_rate: float
-    steps: int
-    noise_multiplier: float
-    max_grad_norm: float
-    delta: float
-    target_epsilon: float | None
-    accountant: str
-    sampler: str
-    microbatch_size: int | None
-    loss_reduction: str
-
-    @property
-    def sensitivity_factor(self) -> float:
-        """Sensitivity in units of C: 2 for clipped microbatch averages (guide alg. 3), else 1."""
-        return 1.0 if self.microbatch_size is None else 2.0
-
-
-@dataclass(frozen=True)
 class TrainingFacts:
     """What the trainer did and declares: optimizer, schedule, releases, unit, loss."""
 
@@ -325,7 +303,7 @@ class RunFacts:
 
     dataset: DatasetFacts
     model: ModelFacts
-    privacy: PrivacyFacts
+    privacy: PrivacySettings
     training: TrainingFacts
     accounting: AccountingFacts
     software: dict[str, str]
@@ -355,7 +333,7 @@ class RunFacts:
             {
                 "dataset": lambda d: _build(DatasetFacts, d, dataset),
                 "model": ModelFacts.from_dict,
-                "privacy": lambda d: _build(PrivacyFacts, d),
+                "privacy": lambda d: _build(PrivacySettings, d),
                 "training": lambda d: _build(TrainingFacts, d),
                 "accounting": AccountingFacts.from_dict,
                 "tuning": lambda d: _build(TuningFacts, d),
@@ -546,7 +524,7 @@ def collect_facts(
             dataset_name, settings.dataset_size, dataset_source, preprocessing_steps(preprocessing)
         ),
         model=model_facts(training.model, model_name, training.engine.params),
-        privacy=_build(PrivacyFacts, dataclasses.asdict(settings)),
+        privacy=_build(PrivacySettings, dataclasses.asdict(settings)),
         training=TrainingFacts(
             optimizer=optimizer_name or type(wrapped).__name__,
             learning_rate=learning_rate,
@@ -623,7 +601,7 @@ __all__ = [
     "ModelFacts",
     "NormLog",
     "PreprocessingStep",
-    "PrivacyFacts",
+    "PrivacySettings",
     "ResultFacts",
     "RunFacts",
     "TrainingFacts",

@@ -13,7 +13,7 @@ import math
 import os
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,28 +31,11 @@ from dpfy.grads import EngineChoice, GradEngine, LossReduction, make_engine
 from dpfy.ledger import PrivacyLedger
 from dpfy.noise import SecureNoise, TorchNoise
 from dpfy.optim import BatchBoundary, DPOptimizer, NoiseSettings
+from dpfy.settings import PrivacySettings
 from dpfy.virtual import VirtualBatchLoader
 
 CHECKPOINT_FORMAT = "dpfy.checkpoint"
 CHECKPOINT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class PrivacySettings:
-    """The settings a run was made private with; a checkpoint must match them to resume."""
-
-    dataset_size: int
-    expected_batch_size: int
-    sampling_rate: float
-    steps: int
-    noise_multiplier: float
-    max_grad_norm: float
-    delta: float
-    target_epsilon: float | None
-    accountant: str
-    sampler: str
-    microbatch_size: int | None
-    loss_reduction: str
 
 
 class PrivateTraining:

@@ -1,0 +1,28 @@
+"""The settings a run was made private with: torch-free, so reports can load them anywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrivacySettings:
+    """The settings a run was made private with; a checkpoint must match them to resume."""
+
+    dataset_size: int
+    expected_batch_size: int
+    sampling_rate: float
+    steps: int
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    target_epsilon: float | None
+    accountant: str
+    sampler: str
+    microbatch_size: int | None
+    loss_reduction: str
+
+    @property
+    def sensitivity_factor(self) -> float:
+        """Sensitivity in units of C: 2 for clipped microbatch averages (guide alg. 3), else 1."""
+        return 1.0 if self.microbatch_size is None else 2.0
