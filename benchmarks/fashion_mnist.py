@@ -168,7 +168,7 @@ def load_record(path: Path) -> dict[str, Any]:
 
 TRIAL_KEYS = (
     "run_id", "purpose", "status", "command", "settings", "noise_multiplier",
-    "test_accuracy_per_epoch", "final_test_accuracy", "epsilon", "wall_seconds",
+    "test_accuracy_per_epoch", "final_test_accuracy", "epsilon", "wall_seconds", "git",
 )  # fmt: skip
 RECORD_KEYS = ("benchmark", "paper", "trials", "runs_on_private_data", "configurations_tried")
 
