@@ -358,12 +358,18 @@ def test_layer_norm_over_two_dims() -> None:
 class TinyTransformer(nn.Module):
     """Embedding → TransformerEncoder → mean pool → Linear, with a key padding mask."""
 
-    def __init__(self, batch_first: bool = True, vocab: int = 11) -> None:
+    def __init__(self, batch_first: bool = True, vocab: int = 11, norm_first: bool = False) -> None:
         super().__init__()
         self.batch_first = batch_first
         self.embed = nn.Embedding(vocab, 8, padding_idx=0)
         layer = nn.TransformerEncoderLayer(
-            8, 2, dim_feedforward=12, dropout=0.0, batch_first=batch_first
+            8,
+            2,
+            dim_feedforward=12,
+            dropout=0.0,
+            batch_first=batch_first,
+            norm_first=norm_first,
+            activation="gelu" if norm_first else "relu",
         )
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(8, 3)
@@ -382,11 +388,13 @@ def cross_entropy(out: Tensor, target: Tensor) -> Tensor:
     return nn.functional.cross_entropy(out, target, reduction="none")
 
 
-@pytest.mark.parametrize("batch_first", [True, False])
-@pytest.mark.parametrize("microbatch", [None, 2])
-def test_transformer_encoder_fast_matches_reference(batch_first, microbatch) -> None:
+@pytest.mark.parametrize(
+    ("batch_first", "microbatch", "norm_first"),
+    [(True, None, False), (False, None, False), (True, 2, False), (False, 2, True)],
+)
+def test_transformer_encoder_fast_matches_reference(batch_first, microbatch, norm_first) -> None:
     torch.manual_seed(2)
-    model = TinyTransformer(batch_first)
+    model = TinyTransformer(batch_first, norm_first=norm_first)
     tokens = torch.randint(1, 11, (5, 6))
     tokens[1, 4:] = 0  # padded example
     y = torch.randint(0, 3, (5,))
@@ -613,6 +621,7 @@ def test_repeated_call_is_refused_by_fast_and_handled_by_vmap() -> None:
         engine.clip_and_accumulate(1.0)
     engine.detach()
     assert_matches_reference(model, x, y, kinds=("vmap",))
+    assert_matches_reference(model, x, y, kinds=("vmap",), microbatch=3)
 
 
 def test_tied_weights_use_vmap_and_match_reference() -> None:
@@ -623,8 +632,9 @@ def test_tied_weights_use_vmap_and_match_reference() -> None:
     engine = make_engine(model)
     assert engine.kind == "vmap" and "shared" in engine.fallback_reason
     engine.detach()
-    x, y = torch.randint(0, 5, (4, 3)), torch.randn(4, 3, 5)
+    x, y = torch.randint(0, 5, (5, 3)), torch.randn(5, 3, 5)
     assert_matches_reference(model, x, y, kinds=("vmap",))
+    assert_matches_reference(model, x, y, kinds=("vmap",), microbatch=2, reduction="sum")
 
 
 # ----------------------------------------------------------------------------- lifecycle
@@ -645,6 +655,9 @@ def test_detach_restores_the_model() -> None:
     for kind in ("fast", "vmap"):
         engine = make_engine(model, kind)
         assert isinstance(model.encoder.layers[0].self_attn, DPMultiheadAttention)
+        attached = model.state_dict()
+        assert list(attached) == keys  # checkpoints taken while attached load anywhere
+        model.load_state_dict(attached)
         model(tokens).sum().backward()
         engine.clip_and_accumulate(1.0)
         engine.detach()
@@ -764,3 +777,144 @@ def test_fast_engine_skips_the_ordinary_weight_gradient() -> None:
     engine.detach()
     assert seen == []
     assert all(p.requires_grad for p in model.parameters())
+
+
+class InPlaceAfterUse(nn.Module):
+    """The second layer's input is modified in place after that layer read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.first(x)
+        out = self.second(h)
+        h.add_(1.0)  # autograd does not need h (the second layer's weight gradient is skipped)
+        return out
+
+
+def test_input_modified_in_place_is_reported() -> None:
+    model = InPlaceAfterUse()
+    engine = make_engine(model, "fast")
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="modified in place"):
+        engine.clip_and_accumulate(1.0)
+    engine.detach()
+
+
+class FunctionalUse(nn.Module):
+    """Uses a child's weight without calling the child: hooks cannot see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x, self.inner.weight)
+
+
+@pytest.mark.parametrize("kind", ["fast", "vmap"])
+def test_parameter_used_outside_a_watched_call_is_reported(kind) -> None:
+    model = FunctionalUse()
+    engine = make_engine(model, kind)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'inner\.weight' received a gradient outside"):
+        engine.clip_and_accumulate(1.0)
+    engine.detach()
+
+
+def test_in_place_activation_after_first_layer() -> None:
+    torch.manual_seed(16)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    assert_matches_reference(model, torch.randn(6, 3), torch.randn(6, 2))
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(8, 1))
+    assert_matches_reference(conv, torch.randn(5, 1, 4, 4), torch.randn(5, 1))
+
+
+def test_zeroed_gradients_of_unused_parameters_are_accepted() -> None:
+    model = Branches()
+    engine = make_engine(model, "fast")
+    model.unused.weight.grad = torch.zeros_like(model.unused.weight)  # zero_grad(set_to_none=False)
+    model(torch.randn(3, 3)).sum().backward()
+    assert engine.clip_and_accumulate(1.0).num_examples == 3
+    engine.detach()
+
+
+class TinyDecoder(nn.Module):
+    """A causal TransformerDecoderLayer attending to a projected memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = nn.Linear(3, 8)
+        self.decoder = nn.TransformerDecoderLayer(8, 2, 12, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tgt, memory = x[:, :, :8], self.memory(x[:, :3, 8:])
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.head(self.decoder(tgt, memory, tgt_mask=mask, tgt_is_causal=True))
+
+
+def test_transformer_decoder_matches_reference() -> None:
+    torch.manual_seed(17)
+    model = TinyDecoder()
+    engine = make_engine(model)
+    assert engine.kind == "fast", engine.fallback_reason
+    engine.detach()
+    x, y = torch.randn(4, 5, 11), torch.randn(4, 5, 2)
+    assert_matches_reference(model, x, y)
+
+
+def test_second_engine_on_the_same_model_is_refused() -> None:
+    model = _mlp()
+    engine = make_engine(model)
+    with pytest.raises(ValueError, match="already has an engine"):
+        make_engine(model, "vmap")
+    engine.detach()
+    make_engine(model, "vmap").detach()  # fine once the first is detached
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+def test_attention_ghost_and_direct_routes_match_reference(monkeypatch, ghost) -> None:
+    import dpfy.grads.rules._bilinear as bilinear
+    import dpfy.grads.rules.attention as attention
+
+    monkeypatch.setattr(bilinear, "use_ghost", lambda *shape: ghost)
+    monkeypatch.setattr(attention, "use_ghost", lambda *shape: ghost)
+    torch.manual_seed(18)
+    tokens, y = torch.randint(1, 11, (4, 6)), torch.randint(0, 3, (4,))
+    assert_matches_reference(TinyTransformer(), tokens, y, loss_fn=cross_entropy, kinds=("fast",))
+    x, target = torch.randn(4, 5, 6), torch.randn(4, 5, 1)
+    assert_matches_reference(CrossAttention(packed=False), x, target, kinds=("fast",))
+
+
+class CalledAndReused(nn.Module):
+    """A layer called normally, then its weight reused functionally (hooks see only the call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(torch.tanh(self.layer(x)), self.layer.weight)
+
+
+def test_functional_reuse_of_a_watched_parameter_is_reported() -> None:
+    model = CalledAndReused()
+    engine = make_engine(model, "fast")
+    model(torch.randn(4, 3, requires_grad=True)).sum().backward()
+    with pytest.raises(RuntimeError, match="received a gradient outside"):
+        engine.clip_and_accumulate(1.0)
+    engine.detach()
+
+
+def test_gradients_left_in_p_grad_by_an_optimizer_are_not_mistaken() -> None:
+    torch.manual_seed(19)
+    model = _mlp()
+    engine = make_engine(model, "fast")
+    for _ in range(2):  # write_grads leaves p.grad set; the next step must not trip on it
+        model(torch.randn(4, 3)).sum().backward()
+        engine.clip_and_accumulate(1.0)
+        engine.write_grads()
+        engine.reset()
+    engine.detach()

@@ -54,26 +54,34 @@ Contract for the optimizer that consumes an engine
 
 Engines
 -------
-``fast`` (:mod:`dpfy.grads.fast`): one forward, one backward. Hooks keep each layer's inputs
-    and output gradients; a per-layer *rule* (:mod:`dpfy.grads.registry`, one small class per
-    layer type registered with ``@register_rule``) gives per-example squared norms, and the clipped
-    sum is one product ``aᵀ diag(c) g`` per layer (book-keeping, Bu et al. 2023). Linear layers on
-    sequences use the ghost norm ``⟨aaᵀ, ggᵀ⟩`` (Li et al. 2022) or the direct per-example
-    gradient, whichever is cheaper (``2T² < p·d``). While a watched layer runs forward, its
-    parameters' ``requires_grad`` is switched off so autograd skips the ordinary parameter
-    gradient that would be thrown away. Rules: ``nn.Linear`` (any leading dims), ``nn.Conv1d``,
+``fast`` (:mod:`dpfy.grads.fast`): one forward, one backward. Hooks keep each layer's inputs and
+    output gradients; a per-layer *rule* (:mod:`dpfy.grads.registry`, one small class per layer type
+    registered with ``@register_rule``) gives per-example squared norms, and the clipped sum is one
+    product ``aᵀ diag(c) g`` per layer (book-keeping, Bu et al. 2023). Linear layers on sequences
+    use the ghost norm ``⟨aaᵀ, ggᵀ⟩`` (Li et al. 2022) or the direct per-example gradient, whichever
+    is cheaper (``2T² < p·d``). While a watched layer runs forward, its parameters'
+    ``requires_grad`` is switched off so autograd skips the ordinary parameter gradient that would
+    be thrown away (a layer whose inputs need no gradient gets a fresh autograd root for its output
+    instead). Layers whose per-example gradients are smaller than their captured tensors
+    (convolutions on the direct route, normalisation layers) are reduced to them during backward,
+    releasing activations early. Rules: ``nn.Linear`` (any leading dims), ``nn.Conv1d``,
     ``nn.Conv2d`` (stride, padding incl. "same" and non-zero modes, dilation, groups),
     ``nn.Embedding`` (``padding_idx``; not ``scale_grad_by_freq``), ``nn.LayerNorm``,
-    ``nn.GroupNorm``, ``nn.RMSNorm``, and attention's input projection. ``nn.MultiheadAttention``
-    is replaced while attached by :class:`~dpfy.grads.substitutions.DPMultiheadAttention`, an
-    exact equivalent built from hookable projections holding the *same* Parameters, so
-    ``nn.TransformerEncoder`` runs on the fast engine (``add_bias_kv`` is not supported).
-    A layer called twice in one forward pass, or a parameter shared by two layers (weight
-    tying), is refused by ``fast`` (``auto`` detects sharing and picks ``vmap``).
+    ``nn.GroupNorm``, ``nn.RMSNorm``, and attention's input projection. ``nn.MultiheadAttention`` is
+    replaced while attached by :class:`~dpfy.grads.substitutions.DPMultiheadAttention`, an exact
+    equivalent built from hookable projections holding the *same* Parameters, so
+    ``nn.TransformerEncoder`` runs on the fast engine (``add_bias_kv`` is not supported). A layer
+    called twice in one forward pass, or a parameter shared by two layers (weight tying), is refused
+    by ``fast`` (``auto`` detects sharing and picks ``vmap``).
 ``vmap`` (:mod:`dpfy.grads.vmap`): any layer that acts on each example separately; per-example
     gradients of each layer's own parameters from ``torch.func`` (``vmap`` of ``vjp`` through
-    ``functional_call``), summed across repeated calls and shared parameters. Memory grows with
-    batch × parameters. The general fallback and the tests' second reference.
+    ``functional_call``), one layer at a time, summed across repeated calls and shared
+    parameters; the clipped sum is one batched ``vjp`` with weighted output gradients. Memory
+    grows with batch × the largest layer. The general fallback and the tests' second reference.
+
+Adding a layer type: subclass :class:`LayerRule` (``sq_norms``, ``clipped_sum``, optionally
+``per_example_grads``), decorate it with ``@register_rule(MyLayer)``, and test it against the
+batch-of-one reference in ``tests/test_grads.py``.
 
 Batch-coupled layers (BatchNorm) are not detected here; :mod:`dpfy.checks` refuses them. A
 parameter that receives a gradient outside any watched layer call makes ``clip_and_accumulate``

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Call", "Tap", "Taps", "output_tensors"]
+__all__ = ["Call", "Tap", "Taps", "output_tensors", "release"]
 
 
 @dataclasses.dataclass
@@ -43,6 +43,9 @@ class Call:
     #: during backward (inputs and output gradients are then released); ``size`` is then B.
     compact: dict[str, Tensor] | None = None
     size: int | None = None
+    #: Whether the layer's parameters were switched off during this call (autograd then
+    #: computed no ordinary gradient for them through this call).
+    skipped: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -56,6 +59,12 @@ class Call:
     def num_units(self) -> int:
         """Number of clipping units: examples, or microbatches of ``group`` examples."""
         return self.batch_size // self.group
+
+    def release(self) -> None:
+        """Drop every tensor this call holds (autograd hooks may keep the object itself alive)."""
+        self.inputs, self.versions, self.grads, self.out_meta, self.out_index = (), (), [], [], []
+        self.cache = {}
+        self.compact = None
 
     def stale_input(self) -> bool:
         """True when an input was modified in place after the layer read it."""
@@ -91,11 +100,16 @@ class Taps:
     """Registers and removes the capture hooks on a set of layers; holds their captured calls."""
 
     def __init__(
-        self, taps: list[Tap], on_ready: Callable[[Tap, Call], None] | None = None
+        self,
+        taps: list[Tap],
+        on_ready: Callable[[Tap, Call], None] | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         self.taps = taps
         self.active = True
         self.on_ready = on_ready  # called in backward once a one-output call has its gradient
+        self.on_start = on_start  # called at the first watched forward call after a clear()
+        self._fresh = True
         self._handles: list[RemovableHandle] = []
 
     def attach(self) -> None:
@@ -113,7 +127,7 @@ class Taps:
         self._handles.clear()
         for tap in self.taps:
             self._unfreeze(tap)
-            tap.calls.clear()
+            release(tap)
 
     def take(self) -> list[Tap]:
         """The taps that captured at least one call; the caller must clear them afterwards."""
@@ -122,16 +136,23 @@ class Taps:
     def clear(self) -> None:
         """Drop every captured call (frees activations and output gradients)."""
         for tap in self.taps:
-            tap.calls.clear()
+            release(tap)
+        self._fresh = True
 
     def _pre(self, tap: Tap, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Stop autograd computing this layer's ordinary parameter gradient (wasted work).
 
         Safe when every floating input requires grad (outputs keep their graph through the
-        inputs) or none does (the outputs are then re-rooted as fresh leaves in ``_post``, so
+        inputs) or none does (the outputs are then given a fresh autograd root in ``_post``, so
         backward stops there after handing us their gradients). Mixed inputs are left alone.
         """
-        if not (self.active and tap.skip_param_grad and torch.is_grad_enabled()):
+        if not (self.active and torch.is_grad_enabled()):
+            return
+        if self._fresh:
+            self._fresh = False
+            if self.on_start is not None:
+                self.on_start()
+        if not tap.skip_param_grad:
             return
         needs = [x.requires_grad for x in args if isinstance(x, Tensor) and x.is_floating_point()]
         if any(needs) and not all(needs):
@@ -146,6 +167,7 @@ class Taps:
     def _post(self, tap: Tap, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Restore the parameters, keep the inputs, and hook the gradient of each output."""
         reroot, tap.reroot = tap.reroot, False
+        skipped = bool(tap.frozen)
         self._unfreeze(tap)
         if not (self.active and torch.is_grad_enabled()):
             return None
@@ -163,6 +185,7 @@ class Taps:
             out_index=index,
             versions=tuple(x._version if isinstance(x, Tensor) else None for x in args),
             trainable=tap.trainable,
+            skipped=skipped,
         )
         tap.calls.append(call)
         for j, out in enumerate(outputs):
@@ -184,11 +207,39 @@ class Taps:
         tap.frozen.clear()
 
 
+class _Reroot(torch.autograd.Function):
+    """Identity that gives a graph-less tensor a fresh autograd root (backward: nothing).
+
+    The output is a non-leaf, not a view, so user code may still modify it in place (e.g. a
+    following ``ReLU(inplace=True)``); backward stops here after the hooks saw the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, x: Tensor) -> Tensor:
+        """Return ``x``'s data under a new autograd node."""
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+        """Nothing upstream needs a gradient."""
+        return None, None
+
+
+_ANCHOR = torch.empty(0, requires_grad=True)  # the input that makes _Reroot outputs need grad
+
+
 def _reroot(output: Any) -> Any:
-    """Floating output tensors as new leaves that require grad (same values, no history)."""
+    """Floating output tensors re-rooted by ``_Reroot`` (same values and storage)."""
     if isinstance(output, Tensor):
-        return output.detach().requires_grad_() if output.is_floating_point() else output
+        return _Reroot.apply(_ANCHOR, output) if output.is_floating_point() else output
     if isinstance(output, (tuple, list)):
         items = [_reroot(item) for item in output]
         return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
     return output
+
+
+def release(tap: Tap) -> None:
+    """Release and forget every call a tap captured."""
+    for call in tap.calls:
+        call.release()
+    tap.calls.clear()

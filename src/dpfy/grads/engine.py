@@ -9,6 +9,7 @@ clipped sum into an accumulator, so several physical batches can form one logica
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Literal
 
 import torch
@@ -22,6 +23,9 @@ from dpfy.grads.substitutions import Substitution, restore
 __all__ = ["ClipResult", "GradEngine", "LossReduction"]
 
 LossReduction = Literal["mean", "sum"]
+
+#: Layers watched by an attached engine (two engines on one model would corrupt each other).
+WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +68,15 @@ class GradEngine:
                 self.params[param_names[id(param)]] = param
         self._acc: dict[str, Tensor] = {}
         self.num_examples = 0  # examples accumulated since the last reset
-        self._taps = Taps(taps, on_ready=self._on_ready)
+        self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
+        for tap in taps:
+            if tap.module in WATCHED:
+                raise ValueError(
+                    f"layer '{tap.name}' is already watched by another engine; detach() it first"
+                )
         self._taps.attach()
+        WATCHED.update(tap.module for tap in taps)
         self._attached = True
 
     # ---------------------------------------------------------------- public API
@@ -139,6 +150,8 @@ class GradEngine:
         if not self._attached:
             return
         self._taps.remove()
+        for tap in self._taps.taps:
+            WATCHED.discard(tap.module)
         restore(self._substitutions)
         self._substitutions = []
         self._attached = False
@@ -176,9 +189,15 @@ class GradEngine:
                         "used it; its per-example gradients cannot be computed"
                     )
                 seen.append((tap, call))
-        covered = {id(getattr(t.module, p)) for t, _ in seen for p in t.trainable}
+        # A parameter's ordinary gradient is explained by a watched call that let autograd
+        # compute it; any other non-zero gradient came from a use the hooks never saw.
+        explained = {
+            id(getattr(t.module, p)) for t, c in seen if not c.skipped for p in t.trainable
+        }
         for name, param in self.params.items():
-            if param.grad is not None and id(param) not in covered:
+            if id(param) in explained or not self._grad_changed(param):
+                continue
+            if bool(param.grad.detach().ne(0).any()):  # zero_grad(set_to_none=False) is fine
                 raise RuntimeError(
                     f"parameter '{name}' received a gradient outside any watched layer call "
                     "(used directly by another module?); its per-example gradient is unknown"
@@ -200,6 +219,23 @@ class GradEngine:
             return 0
         sequence_ndim = 3 if x.is_floating_point() or x.is_complex() else 2
         return 1 if x.dim() >= sequence_ndim else 0
+
+    def _note_grads(self) -> None:
+        """At the first watched forward call of a step: remember every ``p.grad`` as it is."""
+        self._grads_before = {  # weak: a noted gradient must not outlive its parameter's use
+            id(p): (weakref.ref(p.grad), p.grad._version)
+            for p in self.params.values()
+            if p.grad is not None
+        }
+
+    def _grad_changed(self, param: nn.Parameter) -> bool:
+        """Whether autograd wrote ``param.grad`` since the step's first watched forward call."""
+        if param.grad is None:
+            return False
+        if id(param) not in self._grads_before:
+            return True
+        before, version = self._grads_before[id(param)]
+        return param.grad is not before() or param.grad._version != version
 
     def _batch_size(self, calls: list[tuple[Tap, Call]]) -> int:
         """The batch size every captured call agrees on (0 when nothing was captured)."""
@@ -228,6 +264,7 @@ class GradEngine:
         """Drop captured tensors and the non-private gradients of the backward pass."""
         self._taps.active = True
         self._taps.clear()
+        self._grads_before = {}
         for param in self.params.values():
             param.grad = None
 

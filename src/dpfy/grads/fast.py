@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from dpfy.grads.capture import Call, Tap
+from dpfy.grads.capture import Call, Tap, release
 from dpfy.grads.engine import GradEngine
 from dpfy.grads.layout import pad_batch, prepare_call
 from dpfy.grads.registry import LayerRule, find_rule
@@ -59,8 +59,9 @@ class FastEngine(GradEngine):
         grads = self._rule(tap).per_example_grads(tap.module, prepared)
         if grads is None:
             return
-        call.compact, call.size = grads, prepared.batch_size
-        call.inputs, call.versions, call.grads, call.out_meta = (), (), [], []
+        size = prepared.batch_size
+        call.release()
+        call.compact, call.size = grads, size
 
     def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], n: int, group: int) -> Tensor:
         """Sum each layer's per-unit squared norms (from its rule, or its compact gradients)."""
@@ -94,7 +95,8 @@ class FastEngine(GradEngine):
                     sums = {name: weights.to(g.dtype) @ g for name, g in grouped.items()}
                 else:
                     sums = rule.clipped_sum(tap.module, call, weights)
-                tap.calls.clear()
+                call.release()
+                release(tap)
                 del call, grouped
                 for local, value in sums.items():
                     out[self._names[id(getattr(tap.module, local))]] = value

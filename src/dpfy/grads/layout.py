@@ -30,15 +30,15 @@ def pad_batch(x: Tensor, size: int) -> Tensor:
 def prepare_call(call: Call, batch_dim: int, group: int) -> Call:
     """Move the batch dim first, zero-fill unused outputs, pad to whole microbatches."""
     n = call.inputs[0].shape[batch_dim] if isinstance(call.inputs[0], Tensor) else None
-    moved: dict[int, Tensor] = {}  # id → moved tensor, so identical inputs stay identical
+    moved: dict[int, tuple[Tensor, Tensor]] = {}  # id → (tensor, moved): identical stay identical
 
     def move(x: Tensor) -> Tensor:
-        if id(x) not in moved:
+        if id(x) not in moved:  # the entry keeps x alive, so its id cannot be reused meanwhile
             y = x.movedim(batch_dim, 0) if batch_dim else x
             if n is not None and group > 1:
                 y = pad_batch(y, -(-n // group) * group)
-            moved[id(x)] = y
-        return moved[id(x)]
+            moved[id(x)] = (x, y)
+        return moved[id(x)][1]
 
     inputs = tuple(move(x) if isinstance(x, Tensor) else x for x in call.inputs)
     grads = [

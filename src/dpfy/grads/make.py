@@ -8,7 +8,7 @@ from torch import nn
 
 from dpfy.grads import rules as _rules  # noqa: F401 - registers the layer rules
 from dpfy.grads.capture import Tap
-from dpfy.grads.engine import GradEngine
+from dpfy.grads.engine import WATCHED, GradEngine
 from dpfy.grads.fast import FastEngine
 from dpfy.grads.registry import find_rule
 from dpfy.grads.substitutions import restore, substitute, substitution_blocker
@@ -72,6 +72,8 @@ def make_engine(
     """
     if engine not in ("auto", "fast", "vmap"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'vmap', got {engine!r}")
+    if any(module in WATCHED for module in model.modules()):
+        raise ValueError("this model already has an engine attached; detach() it first")
     blocker = fast_blocker(model)
     if engine == "fast" and blocker is not None:
         raise ValueError(

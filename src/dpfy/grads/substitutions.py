@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,9 @@ class DPMultiheadAttention(nn.Module):
         self.in_proj = InProjection(attention)
         self.out_proj = attention.out_proj
         self.training = attention.training
+        # Checkpoints taken while an engine is attached keep nn.MultiheadAttention's keys.
+        self._register_state_dict_hook(_flatten_in_proj_keys)
+        self._register_load_state_dict_pre_hook(_nest_in_proj_keys)
 
     @property
     def in_proj_weight(self) -> Tensor | None:
@@ -192,6 +196,35 @@ class DPMultiheadAttention(nn.Module):
         if unbatched:
             out = out.squeeze(0 if self.batch_first else 1)
         return out, weights
+
+
+_IN_PROJ_NAMES = (
+    "in_proj_weight",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "in_proj_bias",
+)
+
+
+def _flatten_in_proj_keys(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict
+) -> None:
+    """state_dict hook: ``<prefix>in_proj.<name>`` → ``<prefix><name>``, as torch names them."""
+    renamed = {f"{prefix}in_proj.{name}": prefix + name for name in _IN_PROJ_NAMES}
+    if not any(key in state_dict for key in renamed):
+        return
+    items = list(state_dict.items())  # rebuilt, so that the keys keep their order
+    state_dict.clear()
+    for key, value in items:
+        state_dict[renamed.get(key, key)] = value
+
+
+def _nest_in_proj_keys(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook: accept nn.MultiheadAttention's keys for the substitute."""
+    for name in _IN_PROJ_NAMES:
+        if prefix + name in state_dict:
+            state_dict[f"{prefix}in_proj.{name}"] = state_dict.pop(prefix + name)
 
 
 def substitution_blocker(module: nn.Module) -> str | None:

@@ -2,9 +2,10 @@
 
 Works for any layer that acts on each example separately (it needs no rule): hooks keep each
 layer call's inputs and output gradients, and ``vmap`` over examples of a ``vjp`` through
-``functional_call`` gives every example's gradient of that layer's own parameters. Per-example
-gradients are materialised (memory ∝ batch × parameters), summed across repeated calls and
-shared parameters, clipped and summed. The general fallback, and the reference in tests.
+``functional_call`` gives every example's gradient of that layer's own parameters, one layer at a
+time (memory ∝ batch × that layer's parameters), summed across repeated calls and shared
+parameters. Their norms give the clip weights; the clipped sum is then one ordinary ``vjp`` per
+layer call with weighted output gradients. The general fallback, and the reference in tests.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dpfy.grads.capture import Call, Tap, output_tensors
 from dpfy.grads.engine import GradEngine
 from dpfy.grads.layout import pad_batch
 
-__all__ = ["VmapEngine", "per_example_grads"]
+__all__ = ["VmapEngine", "per_example_grads", "weighted_grads"]
 
 
 def per_example_grads(tap: Tap, call: Call, batch_dim: int) -> dict[str, Tensor]:
@@ -55,36 +56,94 @@ def per_example_grads(tap: Tap, call: Call, batch_dim: int) -> dict[str, Tensor]
     )
 
 
+def weighted_grads(tap: Tap, call: Call, batch_dim: int, weights: Tensor) -> dict[str, Tensor]:
+    """Σ_i w_i · (example i's gradient), by name: one ordinary vjp with scaled output gradients.
+
+    The layer acts on each example separately, so the gradient of Σ_i ⟨f(x_i), w_i g_i⟩ is the
+    weighted sum of per-example gradients (book-keeping, Bu et al. 2023) — none is formed.
+    """
+    module = tap.module
+    params = {name: getattr(module, name).detach() for name in sorted(tap.trainable)}
+
+    def scaled(g: Tensor | None, meta: tuple) -> Tensor:
+        g = g if g is not None else torch.zeros(meta[0], dtype=meta[1], device=meta[2])
+        view = [1] * g.dim()
+        view[batch_dim] = -1
+        return g * weights.to(g.dtype).view(view)
+
+    def outputs(q: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        every = list(output_tensors(functional_call(module, q, call.inputs)))
+        return tuple(every[j] for j in call.out_index)
+
+    _, pullback = vjp(outputs, params)
+    cotangents = tuple(scaled(g, m) for g, m in zip(call.grads, call.out_meta, strict=True))
+    return pullback(cotangents)[0]
+
+
 class VmapEngine(GradEngine):
-    """Per-example clipping from materialised per-example gradients (any per-example layer)."""
+    """Per-example clipping from per-example gradients formed layer by layer (any layer).
+
+    Norms: each layer's per-example gradients are formed with ``vmap`` and reduced to squared
+    norms at once (kept only for parameters shared between layers or calls, which must be summed
+    first). Clipped sum: one batched ``vjp`` per layer call with output gradients scaled by the
+    clip weights. Peak memory is one layer's per-example gradients, not the whole model's.
+    """
 
     kind = "vmap"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Same arguments as :class:`GradEngine`."""
         super().__init__(*args, **kwargs)
-        self._units: dict[str, Tensor] = {}
+        self._calls: list[tuple[Tap, Call]] = []
+        self._group = 1
 
     def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], n: int, group: int) -> Tensor:
-        """Per-example gradients, summed over calls and shared uses, grouped into units."""
-        per: dict[str, Tensor] = {}
+        """Per-unit squared norms, layer by layer; shared parameters summed before squaring."""
+        uses: dict[str, int] = {}
+        for tap, _ in calls:
+            for local in tap.trainable:
+                name = self._names[id(getattr(tap.module, local))]
+                uses[name] = uses.get(name, 0) + 1
+        units = -(-n // group)
+        total: Tensor | None = None
+        shared: dict[str, Tensor] = {}
+
+        def add(sq: Tensor) -> None:
+            nonlocal total
+            total = sq if total is None else total + sq
+
         for tap, call in calls:
             for local, grad in per_example_grads(tap, call, self.batch_dim(tap, call)).items():
                 name = self._names[id(getattr(tap.module, local))]
-                per[name] = per[name] + grad if name in per else grad
-        units = -(-n // group)
-        self._units = {
-            name: pad_batch(g, units * group).reshape(units, group, *g.shape[1:]).sum(1)
-            for name, g in per.items()
-        }
-        return sum(g.flatten(1).square().sum(1) for g in self._units.values())
+                if uses[name] > 1:
+                    shared[name] = shared[name] + grad if name in shared else grad
+                else:
+                    add(_grouped(grad, units, group).flatten(1).square().sum(1))
+        for grad in shared.values():
+            add(_grouped(grad, units, group).flatten(1).square().sum(1))
+        self._calls, self._group = list(calls), group
+        assert total is not None
+        return total
 
     def _unit_weighted_sums(self, weights: Tensor) -> dict[str, Tensor]:
-        """Σ_u w_u grad_u for every parameter from the kept per-unit gradients."""
+        """Σ_u w_u grad_u for every parameter: one scaled vjp per layer call."""
+        per_example = weights.repeat_interleave(self._group)
+        out: dict[str, Tensor] = {}
         try:
-            return {
-                name: torch.tensordot(weights.to(g.dtype), g, dims=1)
-                for name, g in self._units.items()
-            }
+            for tap, call in self._calls:
+                bd = self.batch_dim(tap, call)
+                n = call.inputs[0].shape[bd]
+                sums = weighted_grads(tap, call, bd, per_example[:n])
+                for local, value in sums.items():
+                    name = self._names[id(getattr(tap.module, local))]
+                    out[name] = out[name] + value if name in out else value
         finally:
-            self._units = {}
+            self._calls = []
+        return out
+
+
+def _grouped(grad: Tensor, units: int, group: int) -> Tensor:
+    """(B, *shape) per-example gradients → (U, *shape) sums over each clipping unit."""
+    if group == 1:
+        return grad
+    return pad_batch(grad, units * group).reshape(units, group, *grad.shape[1:]).sum(1)

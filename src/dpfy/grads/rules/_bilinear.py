@@ -18,6 +18,7 @@ __all__ = [
     "bias_sq_norms",
     "direct_sq_norms",
     "ghost_sq_norms",
+    "gram",
     "use_ghost",
     "weight_sq_norms",
     "weighted_bias_sum",
@@ -30,9 +31,17 @@ def use_ghost(positions: int, d_in: int, d_out: int) -> bool:
     return 2 * positions * positions < d_in * d_out
 
 
-def ghost_sq_norms(a: Tensor, g: Tensor) -> Tensor:
-    """‖Σ_t g_t a_tᵀ‖² per unit via Gram matrices: a (U, T, d), g (U, T, p) → (U,)."""
-    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+def gram(x: Tensor) -> Tensor:
+    """Per-unit Gram matrix over positions: (U, T, d) → (U, T, T)."""
+    return torch.bmm(x, x.transpose(1, 2))
+
+
+def ghost_sq_norms(a: Tensor, g: Tensor, a_gram: Tensor | None = None) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖² per unit via Gram matrices: a (U, T, d), g (U, T, p) → (U,).
+
+    ``a_gram`` may carry ``gram(a)`` when several maps share the input (attention's q, k, v).
+    """
+    return ((gram(a) if a_gram is None else a_gram) * gram(g)).sum((1, 2))
 
 
 def direct_sq_norms(a: Tensor, g: Tensor) -> Tensor:
@@ -40,7 +49,9 @@ def direct_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
 
 
-def weight_sq_norms(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
+def weight_sq_norms(
+    a: Tensor, g: Tensor, a_gram: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
     """Per-unit squared weight-gradient norms by the cheapest exact route for these shapes.
 
     Returns the norms and, when the direct route formed them anyway, the per-unit gradients
@@ -50,7 +61,7 @@ def weight_sq_norms(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
     if positions == 1:  # rank one: ‖g aᵀ‖ = ‖g‖·‖a‖
         return a[:, 0].square().sum(1) * g[:, 0].square().sum(1), None
     if use_ghost(positions, a.shape[2], g.shape[2]):
-        return ghost_sq_norms(a, g), None
+        return ghost_sq_norms(a, g, a_gram), None
     grads = torch.bmm(g.transpose(1, 2), a)
     return grads.square().sum((1, 2)), grads
 

@@ -1,8 +1,8 @@
 """Rule for :class:`~dpfy.grads.substitutions.InProjection`, attention's q/k/v projection.
 
 The packed weight's rows split into the q, k and v projections, whose gradients occupy disjoint
-blocks, so squared norms add over the three Linear maps. For self-attention (one input) the three
-are one Linear map with concatenated output gradients.
+blocks, so squared norms add over the three Linear maps. For self-attention the three maps share
+one input, whose Gram matrix (ghost norm) is then formed once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dpfy.grads.layout import flatten_positions, group_positions
 from dpfy.grads.registry import LayerRule, register_rule
 from dpfy.grads.rules._bilinear import (
     bias_sq_norms,
+    gram,
+    use_ghost,
     weight_sq_norms,
     weighted_bias_sum,
     weighted_weight_sum,
@@ -30,26 +32,31 @@ def _units(x: Tensor, group: int) -> Tensor:
 
 
 def _pairs(layer: InProjection, call: Call) -> list[tuple[str, Tensor, Tensor]]:
-    """(weight name, input, output gradient) per projection; one for packed self-attention."""
+    """(weight name, input, output gradient) for the q, k and v projections, in that order."""
     xs = [_units(x, call.group) for x in call.inputs]
+    if call.inputs[0] is call.inputs[1] is call.inputs[2]:
+        xs = [xs[0]] * 3  # self-attention: one input tensor shared by the three maps
     gs = [_units(g, call.group) for g in call.grads]
-    if layer.packed and call.inputs[0] is call.inputs[1] is call.inputs[2]:
-        return [("in_proj_weight", xs[0], torch.cat(gs, -1))]
     names = ("in_proj_weight",) * 3 if layer.packed else _WEIGHTS
     return list(zip(names, xs, gs, strict=True))
 
 
 @register_rule(InProjection)
 class InProjectionRule(LayerRule):
-    """Three Linear maps (q, k, v) sharing one packed weight and bias."""
+    """Three Linear maps (q, k, v) whose weights and biases are blocks of packed parameters."""
 
     @staticmethod
     def sq_norms(layer: nn.Module, call: Call) -> Tensor:
-        """Sum over q, k, v of weight and bias norms."""
-        total = call.inputs[0].new_zeros(call.num_units)
-        for j, (name, a, g) in enumerate(_pairs(layer, call)):
+        """Sum over q, k, v of weight and bias norms (blocks are disjoint, so norms add)."""
+        pairs = _pairs(layer, call)
+        total = pairs[0][1].new_zeros(call.num_units)
+        grams: dict[int, Tensor] = {}  # one Gram matrix per distinct input (self-attention)
+        for j, (name, a, g) in enumerate(pairs):
             if name in call.trainable:
-                sq, unit_grads = weight_sq_norms(a, g)
+                ghost = a.shape[1] > 1 and use_ghost(a.shape[1], a.shape[2], g.shape[2])
+                if ghost and id(a) not in grams:
+                    grams[id(a)] = gram(a)
+                sq, unit_grads = weight_sq_norms(a, g, grams.get(id(a)))
                 total = total + sq
                 if unit_grads is not None:
                     call.cache[str(j)] = unit_grads

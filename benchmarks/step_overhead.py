@@ -1,0 +1,241 @@
+"""Step time and peak memory of one DP-SGD step: non-private SGD vs dpfy fast / vmap (vs Opacus).
+
+Run: ``.venv/bin/python benchmarks/step_overhead.py [--models mlp cnn transformer] [--steps 10]``.
+Step times: all methods of a case in one process, interleaved step by step, fastest step kept
+(robust on a shared machine). Peak memory: one subprocess per (case, method); CUDA: max allocated
+beyond the model; CPU: peak RSS growth over the process after building model, batch, optimizer.
+Ratios are against non-private SGD of the same run. ``dpfy_*`` steps include clipping, Gaussian
+noise on every parameter and the SGD update; ``dpfy_fast_nonoise`` leaves out the noise draw to
+show the engine's own cost. Results go to ``benchmarks/results/step_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+METHODS = ("nonprivate", "dpfy_fast", "dpfy_fast_nonoise", "dpfy_vmap", "opacus")
+
+
+class MLP(nn.Sequential):
+    """784-512-512-10."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+            nn.Linear(512, 10),
+        )  # fmt: skip
+
+
+class CNN(nn.Sequential):
+    """conv32 → conv64 + GroupNorm → fc128 → 10 on 28×28."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+        )  # fmt: skip
+
+
+class Transformer(nn.Module):
+    """Vocabulary 10 000, d_model 256, 2 layers, 4 heads, sequence 64, mean-pooled classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10_000, 256)
+        layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+
+def make_case(name: str, device: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """Model, inputs and labels of one benchmark case."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model, x = MLP(), torch.randn(256, 1, 28, 28)
+    elif name == "cnn":
+        model, x = CNN(), torch.randn(256, 1, 28, 28)
+    elif name == "transformer":
+        model, x = Transformer(), torch.randint(0, 10_000, (64, 64))
+    else:
+        raise ValueError(name)
+    return model.to(device), x.to(device), torch.randint(0, 10, (x.shape[0],), device=device)
+
+
+def step_function(method: str, model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A closure doing one training step (forward, backward, clip, noise, update)."""
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if method == "nonprivate":
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(x), y).backward()
+            optimizer.step()
+
+        return step
+    if method.startswith("dpfy"):
+        from dpfy.grads import make_engine
+
+        noise = not method.endswith("_nonoise")
+        engine = make_engine(model, method.removeprefix("dpfy_").removesuffix("_nonoise"))
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            criterion(model(x), y).backward()
+            engine.clip_and_accumulate(1.0, "mean")
+            engine.write_grads()
+            for p in engine.params.values():  # noise σC, divide by the expected batch size
+                if noise:
+                    p.grad.add_(torch.randn_like(p.grad), alpha=1.0)
+                p.grad.div_(x.shape[0])
+            optimizer.step()
+            engine.reset()
+
+        return step
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+    from opacus.validators import ModuleValidator
+
+    if not ModuleValidator.is_valid(model):  # e.g. nn.MultiheadAttention → Opacus's own
+        model = ModuleValidator.fix(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    gsm = GradSampleModule(model)
+    dp_opt = DPOptimizer(optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        dp_opt.expected_batch_size = x.shape[0]
+        dp_opt.zero_grad(set_to_none=True)
+        criterion(gsm(x), y).backward()
+        dp_opt.step()
+
+    return step
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_memory(case: str, method: str, device: str) -> int:
+    """Peak memory of training steps beyond the model, batch and optimizer state (subprocess)."""
+    model, x, y = make_case(case, device)
+    step = step_function(method, model)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for _ in range(3):
+            step(x, y)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    base = rss_bytes()
+    for _ in range(3):
+        step(x, y)
+    return peak_rss_bytes() - base
+
+
+def measure_times(case: str, methods: list[str], steps: int, device: str) -> dict[str, float]:
+    """Fastest step time per method, methods interleaved so machine load hits all alike."""
+    model, x, y = make_case(case, device)
+    runs = {}
+    for m in methods:
+        try:
+            runs[m] = step_function(m, copy.deepcopy(model))
+            runs[m](x, y)  # warm-up
+        except Exception as error:  # a competitor that cannot run this model is reported
+            print(f"{case:12s} {m:18s} failed: {type(error).__name__}: {error}"[:200], flush=True)
+            runs.pop(m, None)
+    methods = list(runs)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(steps):
+        for m in methods:
+            sync()
+            start = time.perf_counter()
+            runs[m](x, y)
+            sync()
+            times[m].append(time.perf_counter() - start)
+    return {m: min(t) for m, t in times.items()}
+
+
+def main() -> None:
+    """Time all methods per case in one process; measure memory in one subprocess each."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--memory-of", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_of:
+        print(json.dumps({"peak": measure_memory(*args.memory_of, args.device)}))
+        return
+    methods = [m for m in args.methods if m != "opacus" or _has_opacus()]
+    if "nonprivate" not in methods:
+        methods.insert(0, "nonprivate")
+    # Memory first: a child inherits its parent's peak RSS at fork, so the parent must stay small.
+    peaks = {}
+    for case in args.models:
+        for method in methods:
+            command = [sys.executable, __file__, "--memory-of", case, method,
+                       "--device", args.device, "--threads", str(args.threads)]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode == 0:
+                peaks[case, method] = json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+    rows = []
+    for case in args.models:
+        times = measure_times(case, methods, args.steps, args.device)
+        base_time, base_peak = times["nonprivate"], peaks.get((case, "nonprivate"))
+        for method, seconds in times.items():
+            peak = peaks.get((case, method))
+            row = {"case": case, "method": method, "seconds": seconds, "peak": peak}
+            row["time_ratio"] = seconds / base_time
+            row["memory_ratio"] = peak / base_peak if peak and base_peak else None
+            rows.append(row)
+            memory = (
+                f"peak +{peak / 2**20:7.1f} MiB ×{row['memory_ratio']:5.2f}" if peak else "peak ?"
+            )
+            timing = f"{seconds * 1e3:8.1f} ms ×{row['time_ratio']:6.2f}"
+            print(f"{case:12s} {method:18s} {timing}   {memory}", flush=True)
+    if "opacus" in args.methods and not _has_opacus():
+        print("opacus: skipped (not installed)")
+    out = Path(__file__).with_name("results") / "step_overhead.json"
+    out.parent.mkdir(exist_ok=True)
+    meta = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+def _has_opacus() -> bool:
+    """Whether Opacus can be imported."""
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()
