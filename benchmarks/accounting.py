@@ -90,8 +90,14 @@ def dpa_calibrate(q: float, steps: int, target: float, delta: float) -> float:
 
 
 def prv_calibrate(q: float, steps: int, target: float, delta: float) -> float:
-    """σ from prv_accountant's upper bound by root finding (as Opacus's PRV calibration does)."""
-    return brentq(lambda s: prv_eps(q, s, steps, delta) - target, 0.3, 20.0, xtol=1e-3)
+    """σ from prv_accountant's upper bound by root finding (as Opacus's PRV calibration does).
+
+    NaN when prv_accountant fails inside the bracket (it refuses some very small σ).
+    """
+    try:
+        return brentq(lambda s: prv_eps(q, s, steps, delta) - target, 0.5, 10.0, xtol=1e-3)
+    except (RuntimeError, ValueError, MemoryError):
+        return float("nan")
 
 
 def main() -> None:
