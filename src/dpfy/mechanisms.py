@@ -122,7 +122,7 @@ def classical_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) -
         raise ValueError(
             "the classical Gaussian bound σ = Δ·√(2 ln(1.25/δ))/ε is valid only for epsilon in "
             f"(0, 1) (Dwork & Roth 2014, Thm A.1), got epsilon={epsilon!r}; use "
-            "analytic_gaussian_sigma (Balle & Wang 2018), which is exact for any epsilon > 0"
+            "analytic_gaussian_sigma (Balle & Wang 2018), which is tight for any epsilon > 0"
         )
     return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
 
@@ -170,6 +170,8 @@ def _bracket_ratio(epsilon: float, log_delta: float) -> tuple[float, float]:
         if _log_gaussian_delta(high, epsilon) <= log_delta:
             break
         high *= 2.0
+    if not _log_gaussian_delta(low, epsilon) > log_delta >= _log_gaussian_delta(high, epsilon):
+        raise ValueError(f"cannot calibrate the Gaussian mechanism for epsilon={epsilon!r}")
     return low, high
 
 
@@ -187,18 +189,14 @@ def analytic_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) ->
     delta = check_delta(delta)
     log_delta = math.log(delta)
     low, high = _bracket_ratio(epsilon, log_delta)
-    if low == high:
-        ratio = low
-    else:
-        ratio = math.exp(
-            optimize.brentq(
-                lambda log_r: _log_gaussian_delta(math.exp(log_r), epsilon) - log_delta,
-                math.log(low),
-                math.log(high),
-                xtol=1e-15,
-                rtol=4 * np.finfo(float).eps,
-            )
-        )
+    log_ratio = optimize.brentq(
+        lambda log_r: _log_gaussian_delta(math.exp(log_r), epsilon) - log_delta,
+        math.log(low),
+        math.log(high),
+        xtol=1e-15,
+        rtol=4 * np.finfo(float).eps,
+    )
+    ratio = math.exp(log_ratio)
     sigma = ratio * sensitivity * (1.0 + _SIGMA_SAFETY)
     while math.exp(_log_gaussian_delta(sigma / sensitivity, epsilon)) > delta:
         sigma = math.nextafter(sigma, math.inf) * (1.0 + 1e-13)

@@ -10,6 +10,12 @@ from dpfy.accounting.accountant import (
     compute_epsilon,
     make_accountant,
 )
+from dpfy.accounting.approx import (
+    advanced_composition,
+    basic_composition,
+    scaling_law_epsilon,
+    scaling_law_noise_multiplier,
+)
 from dpfy.accounting.calibrate import (
     CalibrationError,
     FixedRatioSetting,
@@ -58,11 +64,15 @@ __all__ = [
     "SelfComposedEvent",
     "TrialDistribution",
     "UnsupportedEventError",
+    "advanced_composition",
+    "basic_composition",
     "calibrate_noise_multiplier",
     "compute_epsilon",
     "dpsgd_event",
     "make_accountant",
     "max_steps",
+    "scaling_law_epsilon",
+    "scaling_law_noise_multiplier",
     "settings_at_fixed_ratio",
     "smallest_noise_multiplier",
 ]
