@@ -1,7 +1,8 @@
-"""The ``dpfy`` command line: ``plan`` and ``account`` (a stable contract other tools build on).
+"""The ``dpfy`` command line: ``account``, ``plan``, ``train`` and ``report``.
 
-Bad input never shows a traceback: any ValueError becomes one line on stderr and exit code 2.
-With ``--json`` each command prints exactly one JSON object on stdout.
+``account`` and ``plan`` are a stable contract other tools build on: with ``--json`` each prints
+exactly one JSON object on stdout. Bad input never shows a traceback: any ValueError becomes one
+line on stderr and exit code 2.
 """
 
 from __future__ import annotations
