@@ -89,23 +89,7 @@ def step_function(method: str, model: nn.Module) -> Callable[[torch.Tensor, torc
 
         return step
     if method.startswith("dpfy"):
-        from dpfy.grads import make_engine
-
-        noise = not method.endswith("_nonoise")
-        engine = make_engine(model, method.removeprefix("dpfy_").removesuffix("_nonoise"))
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            criterion(model(x), y).backward()
-            engine.clip_and_accumulate(1.0, "mean")
-            engine.write_grads()
-            for p in engine.params.values():  # noise σC, divide by the expected batch size
-                if noise:
-                    p.grad.add_(torch.randn_like(p.grad), alpha=1.0)
-                p.grad.div_(x.shape[0])
-            optimizer.step()
-            engine.reset()
-
-        return step
+        return _dpfy_step(method, model, optimizer, criterion)
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
     from opacus.validators import ModuleValidator
@@ -121,6 +105,44 @@ def step_function(method: str, model: nn.Module) -> Callable[[torch.Tensor, torc
         dp_opt.zero_grad(set_to_none=True)
         criterion(gsm(x), y).backward()
         dp_opt.step()
+
+    return step
+
+
+def _dpfy_step(
+    method: str, model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """dpfy's real private step: the engine inside DPOptimizer, with its ledger.
+
+    ``dpfy_fast_nonoise`` drives the engine alone (clip, sum, ÷ B, SGD) to show its own cost.
+    """
+    from dpfy.data.records import SamplingKind, SamplingRecord
+    from dpfy.grads import make_engine
+    from dpfy.ledger import PrivacyLedger
+    from dpfy.optim import DPOptimizer, NoiseSettings
+
+    kind = method.removeprefix("dpfy_").removesuffix("_nonoise")
+    engine = make_engine(model, kind)
+    if method.endswith("_nonoise"):
+
+        def engine_step(x: torch.Tensor, y: torch.Tensor) -> None:
+            criterion(model(x), y).backward()
+            engine.clip_and_accumulate(1.0, "mean")
+            engine.write_grads()
+            for p in engine.params.values():
+                p.grad.div_(x.shape[0])
+            optimizer.step()
+            engine.reset()
+
+        return engine_step
+    ledger = PrivacyLedger(1e-5)
+    sampling = SamplingRecord(SamplingKind.POISSON, 0.01, 100_000)
+    private = DPOptimizer(optimizer, engine, ledger, sampling, NoiseSettings(1.0, 1.0, 256))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        private.zero_grad()
+        criterion(model(x), y).backward()
+        private.step()
 
     return step
 
