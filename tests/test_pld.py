@@ -10,7 +10,7 @@ import dp_accounting as dpa
 import numpy as np
 import pytest
 from dp_accounting import pld as dpa_pld
-from hypothesis import given, settings
+from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 from prv_accountant.dpsgd import DPSGDAccountant
 from scipy.special import comb, ndtr
@@ -253,9 +253,26 @@ def test_epsilon_grows_with_steps_and_rate_and_shrinks_with_sigma(q, sigma, step
 @settings(max_examples=8, deadline=None)
 @given(q=rates, sigma=sigmas, steps=st.integers(1, 2_000))
 def test_never_below_the_prv_lower_bound(q, sigma, steps):
+    """Where prv_accountant can answer, dpfy's ε is not below its lower bound.
+
+    prv_accountant refuses some settings ("discrete mean differs…"), and far in the tail its
+    lower bound is itself slightly off: at q ≈ 0.0996, σ = 0.75, 140 steps it says ≥ 16.68852
+    while dp_accounting's pessimistic PLD (an upper bound) gives 16.68842 — hence the 1e-5
+    relative slack.
+    """
     ours = dpfy_epsilon(q, sigma, steps, 1e-6)
-    lower, _, _ = oracle_prv(q, sigma, steps, 1e-6)
-    assert ours >= lower
+    try:
+        lower, _, _ = oracle_prv(q, sigma, steps, 1e-6)
+    except RuntimeError:
+        reject()
+    assert ours >= lower * (1 - 1e-5)
+
+
+def test_a_tail_setting_stays_above_dp_accountings_fine_grid():
+    """The setting where prv_accountant's lower bound misleads: agree with dp_accounting."""
+    q, sigma, steps = 0.099609375, 0.75, 140
+    ours = dpfy_epsilon(q, sigma, steps, 1e-6)
+    assert ours == pytest.approx(oracle_pld(q, sigma, steps, 1e-6, interval=1e-5), rel=1e-4)
 
 
 def test_delta_curve_is_monotone():
