@@ -268,7 +268,7 @@ def test_never_below_the_prv_lower_bound(q, sigma, steps):
     assert ours >= lower * (1 - 1e-5)
 
 
-def test_a_tail_setting_stays_above_dp_accountings_fine_grid():
+def test_a_far_tail_setting_agrees_with_dp_accountings_fine_grid():
     """The setting where prv_accountant's lower bound misleads: agree with dp_accounting."""
     q, sigma, steps = 0.099609375, 0.75, 140
     ours = dpfy_epsilon(q, sigma, steps, 1e-6)
