@@ -303,7 +303,7 @@ def bad(**overrides):
     ("overrides", "message"),
     [
         ({"model": nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4))}, r"dpfy\.fix"),
-        ({"batch_size": 1000}, "larger than the dataset"),
+        ({"batch_size": 1000}, "exceeds the dataset size"),
         ({"target_epsilon": 1.0}, "exactly one of target_epsilon"),
         ({"noise_multiplier": None}, "exactly one of target_epsilon"),
         ({"epochs": 2}, "exactly one of epochs"),

@@ -254,10 +254,10 @@ class PrivacyLedger:
         counted down by :meth:`record`, so the accountant is asked again only when the kind of
         step changes or something else is recorded.
         """
-        self._validate_step(step, relation)
+        event = self._validate_step(step, relation)
         if self.target_epsilon is None:
             return
-        if self.remaining_steps(step) < 1:
+        if self._room(step, event) < 1:
             raise BudgetExhausted(self.epsilon(), self.target_epsilon, self.delta, step.describe())
 
     def remaining_steps(self, step: StepRecord) -> int:
@@ -274,10 +274,12 @@ class PrivacyLedger:
         """
         if self.target_epsilon is None:
             raise ValueError("this ledger has no target_epsilon, so every step fits")
-        event = self._validate_step(step, None)
-        plain = dataclasses.replace(step, batch_size=None)
-        if self._headroom is None or self._headroom.step != plain:
-            self._headroom = _Headroom(plain, self._search_room(event))
+        return self._room(step, self._validate_step(step, None))
+
+    def _room(self, step: StepRecord, event: DpEvent) -> int:
+        """The cached headroom for ``step`` (its realised batch size takes no part in equality)."""
+        if self._headroom is None or self._headroom.step != step:
+            self._headroom = _Headroom(step, self._search_room(event))
         return max(self._headroom.room, 0)
 
     def _search_room(self, event: DpEvent) -> int:

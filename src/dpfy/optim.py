@@ -113,11 +113,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.boundary = boundary if boundary is not None else BatchBoundary()
         self.clip_observers: list[Callable[[ClipResult], None]] = []
 
-    @property
-    def step_record(self) -> StepRecord:
-        """What one step is accounted as (the sampler's record and σ)."""
-        return StepRecord(self.sampling, self.settings.noise_multiplier)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad``; the clipped sum of a logical batch in progress is kept."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)

@@ -22,11 +22,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dpfy._validate import check_count, check_delta, check_positive
-from dpfy.accounting.calibrate import calibrate_noise_multiplier, smallest_noise_multiplier
+from dpfy.accounting.calibrate import smallest_noise_multiplier
 from dpfy.accounting.events import NeighbouringRelation, SelfComposedEvent
 from dpfy.checks import check_model
-from dpfy.data.loader import DPDataLoader
+from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.records import SamplingKind, SamplingRecord
+from dpfy.data.sampling import check_batch_size
 from dpfy.grads import EngineChoice, GradEngine, LossReduction, make_engine
 from dpfy.ledger import PrivacyLedger
 from dpfy.noise import SecureNoise, TorchNoise
@@ -197,13 +198,8 @@ def make_private(
     check_model(model)
     delta = check_delta(delta)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
-    dataset_size = _dataset_size(train_dataset)
-    batch_size = check_count("batch_size", batch_size, minimum=1)
-    if batch_size > dataset_size:
-        raise ValueError(
-            f"batch_size ({batch_size}) is larger than the dataset ({dataset_size} examples); "
-            "use a batch size of at most the dataset size"
-        )
+    dataset_size = dataset_size_of(train_dataset)
+    batch_size = check_batch_size(dataset_size, batch_size)
     total_steps = _resolve_steps(epochs, steps, dataset_size, batch_size)
     _check_optimizer_params(model, optimizer)
     if delta >= 1 / dataset_size:
@@ -266,17 +262,6 @@ def make_private(
     )
 
 
-def _dataset_size(dataset: Dataset) -> int:
-    """N, refusing datasets without a length or with no examples."""
-    try:
-        size = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError("train_dataset must define __len__ so q = B/N can be computed") from None
-    if size == 0:
-        raise ValueError("train_dataset is empty: there is nothing to train on")
-    return size
-
-
 def _resolve_steps(
     epochs: float | None, steps: int | None, dataset_size: int, batch_size: int
 ) -> int:
@@ -328,14 +313,9 @@ def _noise_multiplier(
         )
     if noise_multiplier is not None:
         return check_positive("noise_multiplier", noise_multiplier)
-    target_epsilon = check_positive("target_epsilon", target_epsilon)
-    if record.kind is SamplingKind.POISSON or record.kind is SamplingKind.SHUFFLE:
-        return calibrate_noise_multiplier(
-            target_epsilon, delta, record.sampling_rate, steps, accountant=accountant
-        )
     return smallest_noise_multiplier(
-        lambda s: SelfComposedEvent(record.event(s), steps),
-        target_epsilon,
+        lambda sigma: SelfComposedEvent(record.event(sigma), steps),
+        check_positive("target_epsilon", target_epsilon),
         delta,
         accountant=accountant,
         relation=relation,

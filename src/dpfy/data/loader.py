@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from dpfy._validate import check_count
 from dpfy.accounting.events import DpEvent
 from dpfy.data.records import SamplingKind, SamplingRecord
-from dpfy.data.sampling import DpBatchSampler, _check_batch_size, make_sampler
+from dpfy.data.sampling import DpBatchSampler, check_batch_size, make_sampler
 
 _RESERVED = ("batch_size", "shuffle", "batch_sampler", "drop_last")
 
@@ -43,8 +43,8 @@ class DPDataLoader(DataLoader):
         collate_fn: Callable[[list[Any]], Any] | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
-        dataset_size = _dataset_size(dataset)
-        batch_size = _check_batch_size(dataset_size, batch_size)
+        dataset_size = dataset_size_of(dataset)
+        batch_size = check_batch_size(dataset_size, batch_size)
         for name in (*_RESERVED, "sampler"):
             if name in dataloader_kwargs:
                 raise ValueError(f"DPDataLoader chooses {name} itself; do not pass it")
@@ -173,7 +173,7 @@ def _clone_structure(value: Any) -> Any:
     return value
 
 
-def _dataset_size(dataset: Dataset) -> int:
+def dataset_size_of(dataset: Dataset) -> int:
     """The number of examples N; an iterable or empty dataset is refused with the fix."""
     if isinstance(dataset, IterableDataset):
         raise ValueError(

@@ -263,7 +263,7 @@ class FixedSizeSampler(DpBatchSampler):
         *,
         secure: bool = False,
     ) -> None:
-        self.batch_size = _check_batch_size(dataset_size, batch_size)
+        self.batch_size = check_batch_size(dataset_size, batch_size)
         super().__init__(dataset_size, steps, generator, secure=secure)
 
     @property
@@ -300,7 +300,7 @@ class ShuffleSampler(DpBatchSampler):
         *,
         secure: bool = False,
     ) -> None:
-        self.batch_size = _check_batch_size(dataset_size, batch_size)
+        self.batch_size = check_batch_size(dataset_size, batch_size)
         self._permutation: torch.Tensor | None = None
         self._offset = 0  # batches already cut from the current permutation
         if steps is None:
@@ -348,12 +348,12 @@ class ShuffleSampler(DpBatchSampler):
 
 def sampling_rate_for(dataset_size: int, batch_size: int) -> float:
     """q = B/N, with one clear error when the pair cannot describe a sampler."""
-    return _check_batch_size(dataset_size, batch_size) / check_count(
+    return check_batch_size(dataset_size, batch_size) / check_count(
         "dataset_size", dataset_size, minimum=1
     )
 
 
-def _check_batch_size(dataset_size: int, batch_size: int) -> int:
+def check_batch_size(dataset_size: int, batch_size: int) -> int:
     """A (expected) batch size must lie in [1, N]; the message names the fix."""
     dataset_size = check_count("dataset_size", dataset_size, minimum=0)
     if dataset_size == 0:
