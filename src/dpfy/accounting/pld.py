@@ -357,10 +357,15 @@ def _lower_truncation(direction: Direction, tail: float) -> float:
     return -_bisect(lambda e: small(-e), -start, -(start - step))
 
 
-def discretize(direction: Direction, spacing: float, tail: float) -> DiscretePld:
-    """Connect-the-dots discretisation on the grid iΔ: a dominating discrete PLD."""
-    top = _upper_truncation(direction, tail)
-    bottom = _lower_truncation(direction, tail)
+def truncation(direction: Direction, tail: float) -> tuple[float, float]:
+    """The loss range [bottom, top] kept for a leaf: below it at most ``tail`` mass (rounded up),
+    above it δ ≤ ``tail`` (sent to +∞)."""
+    return _lower_truncation(direction, tail), _upper_truncation(direction, tail)
+
+
+def discretize(direction: Direction, spacing: float, bounds: tuple[float, float]) -> DiscretePld:
+    """Connect-the-dots discretisation on the grid iΔ over ``bounds``: a dominating discrete PLD."""
+    bottom, top = bounds
     i_lo = math.floor(bottom / spacing)
     i_hi = max(math.ceil(top / spacing), i_lo + 1)
     grid = np.arange(i_lo, i_hi + 1) * spacing
@@ -418,9 +423,11 @@ def compose_directions(
 ) -> DiscretePld:
     """Compose one direction's leaves (direction → count) into a single discrete PLD."""
     leaf_tail = LEAF_TAIL_MASS / max(sum(leaves.values()), 1)
-    # 1. A coarse look at each leaf gives its loss spread and the composed window.
+    bounds = {d: truncation(d, leaf_tail) for d in leaves}
+    # 1. A coarse look at each leaf (a few thousand points) gives its loss spread and the window.
     coarse = [
-        (discretize(d, _coarse_spacing(d, leaf_tail), leaf_tail), c) for d, c in leaves.items()
+        (discretize(d, max(bounds[d][1] - bounds[d][0], 1e-12) / 2048, bounds[d]), c)
+        for d, c in leaves.items()
     ]
     lo, hi, t_hi = _chernoff_window(coarse, WINDOW_TAIL_MASS)
     width = max(hi - lo, 1e-9) * 1.1
@@ -429,7 +436,7 @@ def compose_directions(
     spacing = min(precision.spacing_per_std * spread, width / precision.min_points)
     size = min(int(2 ** math.ceil(math.log2(width / spacing))), precision.max_points)
     spacing = width / size
-    fine = [(discretize(d, spacing, leaf_tail), c) for d, c in leaves.items()]
+    fine = [(discretize(d, spacing, bounds[d]), c) for d, c in leaves.items()]
     # 3. The window in grid indices; the mass above it is bounded rigorously and counted in δ.
     start = math.floor((lo - 0.05 * (hi - lo)) / spacing)
     above = _upper_tail_bound(fine, (start + size - 1) * spacing, t_hi)
@@ -459,13 +466,6 @@ def _power(z: np.ndarray, exponent: int) -> np.ndarray:
         if exponent:
             base *= base
     return result
-
-
-def _coarse_spacing(direction: Direction, tail: float) -> float:
-    """A spacing that puts a few thousand points over one step's loss range."""
-    top = _upper_truncation(direction, tail)
-    bottom = _lower_truncation(direction, tail)
-    return max(top - bottom, 1e-12) / 2048
 
 
 # ---------------------------------------------------------------------------------------------
