@@ -2,9 +2,10 @@
 
 Run: ``.venv/bin/python benchmarks/step_overhead.py [--models mlp cnn transformer] [--steps 10]``.
 Step times: all methods of a case in one process, interleaved step by step, fastest step kept
-(robust on a shared machine). Peak memory: one subprocess per (case, method); CUDA: max allocated
-beyond the model; CPU: peak RSS growth over the process after building model, batch, optimizer.
-Ratios are against non-private SGD of the same run. ``dpfy_*`` steps include clipping, Gaussian
+(robust on a shared machine). Peak memory: one subprocess per (case, method), two steps after a
+warm-up step, peak bytes held by torch's allocator above the model, batch and optimizer state
+(CUDA: ``max_memory_allocated``; CPU: the profiler's allocator events). Ratios are against
+non-private SGD of the same run; Opacus runs in each ``grad_sample_mode`` that works. ``dpfy_*`` steps include clipping, Gaussian
 noise on every parameter and the SGD update; ``dpfy_fast_nonoise`` leaves out the noise draw to
 show the engine's own cost. Results go to ``benchmarks/results/step_overhead.json``.
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-METHODS = ("nonprivate", "dpfy_fast", "dpfy_fast_nonoise", "dpfy_vmap", "opacus")
+OPACUS_MODES = ("opacus_hooks", "opacus_functorch", "opacus_ew", "opacus_ghost")
+METHODS = ("nonprivate", "dpfy_fast", "dpfy_fast_nonoise", "dpfy_vmap", *OPACUS_MODES)
 
 
 class MLP(nn.Sequential):
@@ -90,20 +92,42 @@ def step_function(method: str, model: nn.Module) -> Callable[[torch.Tensor, torc
         return step
     if method.startswith("dpfy"):
         return _dpfy_step(method, model, optimizer, criterion)
-    from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
+    return _opacus_step(method.removeprefix("opacus_"), model, optimizer, criterion)
+
+
+def _opacus_step(
+    mode: str, model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """Opacus's own private step in one ``grad_sample_mode`` (hooks, functorch, ew, ghost).
+
+    Built through ``PrivacyEngine.make_private`` as its documentation shows; ghost clipping
+    returns a wrapped criterion whose ``backward`` runs its two passes.
+    """
+    from opacus import PrivacyEngine
     from opacus.validators import ModuleValidator
+    from torch.utils.data import DataLoader, TensorDataset
 
     if not ModuleValidator.is_valid(model):  # e.g. nn.MultiheadAttention → Opacus's own
         model = ModuleValidator.fix(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    gsm = GradSampleModule(model)
-    dp_opt = DPOptimizer(optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=1)
+    loader = DataLoader(TensorDataset(torch.zeros(256, 1)), batch_size=256)
+    made = PrivacyEngine(accountant="rdp").make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+        **({"criterion": criterion} if mode == "ghost" else {}),
+    )
+    private_model, dp_opt = made[0], made[1]
+    loss_fn = made[2] if mode == "ghost" else criterion
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         dp_opt.expected_batch_size = x.shape[0]
         dp_opt.zero_grad(set_to_none=True)
-        criterion(gsm(x), y).backward()
+        loss_fn(private_model(x), y).backward()
         dp_opt.step()
 
     return step
@@ -147,33 +171,49 @@ def _dpfy_step(
     return step
 
 
-def rss_bytes() -> int:
-    """Current resident set size of this process."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
+def allocator_peak_bytes(run: Callable[[], None]) -> int:
+    """Peak of bytes held by torch's CPU allocator during ``run``, above what it held before.
 
+    Read from the profiler's memory events (each carries the running total since profiling
+    began), so it counts tensors only — not the interpreter, libraries or freed-but-cached pages
+    that make peak RSS noisy.
+    """
+    from torch.profiler import ProfilerActivity, profile
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    totals = [
+        e["args"]["Total Allocated"]
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
+    ]
+    return max([0, *totals])
 
 
 def measure_memory(case: str, method: str, device: str) -> int:
     """Peak memory of training steps beyond the model, batch and optimizer state (subprocess)."""
     model, x, y = make_case(case, device)
     step = step_function(method, model)
+    step(x, y)  # warm-up: optimizer state and lazily built buffers exist before measuring
+    for param in model.parameters():
+        param.grad = None
+
+    def run() -> None:
+        for _ in range(2):
+            step(x, y)
+
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        for _ in range(3):
-            step(x, y)
+        run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    base = rss_bytes()
-    for _ in range(3):
-        step(x, y)
-    return peak_rss_bytes() - base
+    return allocator_peak_bytes(run)
 
 
 def measure_times(case: str, methods: list[str], steps: int, device: str) -> dict[str, float]:
@@ -215,10 +255,9 @@ def main() -> None:
     if args.memory_of:
         print(json.dumps({"peak": measure_memory(*args.memory_of, args.device)}))
         return
-    methods = [m for m in args.methods if m != "opacus" or _has_opacus()]
+    methods = [m for m in args.methods if not m.startswith("opacus") or _has_opacus()]
     if "nonprivate" not in methods:
         methods.insert(0, "nonprivate")
-    # Memory first: a child inherits its parent's peak RSS at fork, so the parent must stay small.
     peaks = {}
     for case in args.models:
         for method in methods:
@@ -242,7 +281,7 @@ def main() -> None:
             )
             timing = f"{seconds * 1e3:8.1f} ms ×{row['time_ratio']:6.2f}"
             print(f"{case:12s} {method:18s} {timing}   {memory}", flush=True)
-    if "opacus" in args.methods and not _has_opacus():
+    if any(m.startswith("opacus") for m in args.methods) and not _has_opacus():
         print("opacus: skipped (not installed)")
     out = Path(__file__).with_name("results") / "step_overhead.json"
     out.parent.mkdir(exist_ok=True)
