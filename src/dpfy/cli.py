@@ -23,7 +23,8 @@ from rich.table import Table
 
 from dpfy.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
-from dpfy.run_config import OPTIMIZER_NAMES, TrainConfig
+from dpfy.federated.config import FederatedConfig
+from dpfy.run_config import OPTIMIZER_NAMES, UNIT_NAMES, TrainConfig
 
 app = typer.Typer(
     name="dpfy",
@@ -161,8 +162,10 @@ def plan(
 
 
 OptimizerChoice = Enum("OptimizerChoice", {name: name for name in OPTIMIZER_NAMES}, type=str)
+UnitChoice = Enum("UnitChoice", {name: name for name in UNIT_NAMES}, type=str)
 _TRAIN = TrainConfig()
 _OPTIMIZER = OptimizerChoice(_TRAIN.optimizer)
+_UNIT = UnitChoice(_TRAIN.unit)
 
 
 class ReportFormat(str, Enum):
@@ -192,6 +195,20 @@ def train(
     baseline: Annotated[bool, typer.Option("--baseline", help="Also train non-privately.")] = False,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
     engine: Annotated[str, typer.Option(help="Gradient engine: auto, fast, vmap.")] = _TRAIN.engine,
+    unit: Annotated[
+        UnitChoice,
+        typer.Option(
+            help="Unit of privacy: example, or user (simulated skewed users; "
+            "--batch-size then counts users per step)."
+        ),
+    ] = _UNIT,
+    users: Annotated[int, typer.Option(help="Simulated users (with --unit user).")] = _TRAIN.users,
+    max_user_examples: Annotated[
+        int | None, typer.Option(help="Cap on a sampled user's examples per step (--unit user).")
+    ] = _TRAIN.max_examples_per_user,
+    algorithm: Annotated[
+        str, typer.Option(help="dp-sgd, or dp-ftrl (no sampling assumption; --optimizer sgd).")
+    ] = _TRAIN.algorithm,
 ) -> None:
     """Train with DP-SGD on a bundled real dataset and write the privacy report card."""
     from dpfy.trainer import TrainConfig, run_training
@@ -203,17 +220,22 @@ def train(
             dataset=dataset, model=model, target_epsilon=target_epsilon, delta=delta,
             epochs=epochs, batch_size=batch_size, max_grad_norm=max_grad_norm, lr=lr,
             optimizer=optimizer.value, out=out, seed=seed, baseline=baseline,
-            data_dir=data_dir, engine=engine,
+            data_dir=data_dir, engine=engine, unit=unit.value, users=users,
+            max_examples_per_user=max_user_examples, algorithm=algorithm,
         )  # fmt: skip
         console = Console()
         result = run_training(config, console)
+        if result.rank != 0:  # under torchrun, rank 0 prints the run
+            return
         table = Table(title=f"Run {result.run_dir}", show_header=False, title_justify="left")
         table.add_column(style="bold")
         table.add_column()
         table.add_row("test accuracy (DP)", f"{result.test_accuracy:.4f}")
         if result.baseline_accuracy is not None:
             table.add_row("test accuracy (non-private)", f"{result.baseline_accuracy:.4f}")
-        table.add_row("ε spent", f"{result.epsilon:.4f} at δ = {result.delta:g}")
+        table.add_row(
+            "ε spent", f"{result.epsilon:.4f} at δ = {result.delta:g} ({config.unit}-level)"
+        )
         table.add_row("time", f"{result.seconds:.1f} s")
         console.print(table)
         console.print((result.run_dir / "report.md").read_text(), markup=False)
@@ -233,6 +255,104 @@ def report(
                 f"{run_dir} holds no dpfy run (no facts.json); pass a `dpfy train` run directory"
             )
         typer.echo(render_run(run_dir, format.value))
+
+
+@app.command()
+def tune(
+    dataset: Annotated[str, typer.Option(help="digits, fashion-mnist, …")] = "digits",
+    search: Annotated[str, typer.Option(help="clip (ClipSearch), lr-clip (grid) or random.")] = (
+        "clip"
+    ),
+    trials: Annotated[
+        int, typer.Option(help="random: configs drawn; random-trials: mean number of runs.")
+    ] = 5,
+    tuning_accounting: Annotated[
+        str | None,
+        typer.Option(help="compose, exponential, random-trials or public (required)."),
+    ] = None,
+    public_data: Annotated[
+        str | None, typer.Option(help="Declaration of the public tuning data (for public).")
+    ] = None,
+    distribution: Annotated[
+        str, typer.Option(help="random-trials: poisson, geometric, logarithmic, ….")
+    ] = "poisson",
+    clip_grid: Annotated[str, typer.Option(help="ClipSearch grid of C, comma-separated.")] = (
+        "0.1,0.3,1,3,10"
+    ),
+    lr_grid: Annotated[str, typer.Option(help="lr-clip: learning rates.")] = "0.001,0.01,0.1",
+    tolerance: Annotated[float, typer.Option(help="ClipSearch relative tolerance, (0, 1).")] = 0.02,
+    target_epsilon: Annotated[float, typer.Option(help="ε of the final training run.")] = 3.0,
+    epochs: Annotated[float, typer.Option(help="Epochs of the final run.")] = 20,
+    trial_epochs: Annotated[float, typer.Option(help="Epochs of each tuning trial.")] = 2,
+    optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
+    lr: Annotated[float, typer.Option(help="Learning rate (ClipSearch, the default).")] = 0.01,
+    out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed (splits, trial draws, training).")] = 0,
+    data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
+) -> None:
+    """Tune hyperparameters under privacy (guide §5.4), train the choice, report both costs."""
+    from dpfy.tuning.command import tune_command
+
+    with _user_errors():
+        tune_command(
+            dataset=dataset, search=search, trials=trials, accounting=tuning_accounting,
+            public_data=public_data, distribution=distribution, clip_grid=clip_grid,
+            lr_grid=lr_grid, tolerance=tolerance, target_epsilon=target_epsilon, epochs=epochs,
+            trial_epochs=trial_epochs, optimizer=optimizer.value, lr=lr, out=out, seed=seed,
+            data_dir=data_dir,
+        )  # fmt: skip
+
+
+_FED = FederatedConfig()
+
+
+@app.command()
+def federated(
+    dataset: Annotated[str, typer.Option(help="digits, fashion-mnist, …")] = _FED.dataset,
+    model: Annotated[str, typer.Option(help="logreg, mlp or cnn.")] = _FED.model,
+    users: Annotated[
+        int, typer.Option(help="Simulated users (skewed non-IID split).")
+    ] = _FED.users,
+    alpha: Annotated[
+        float, typer.Option(help="Dirichlet label skew (small = skewed).")
+    ] = _FED.alpha,
+    clients_per_round: Annotated[
+        int, typer.Option(help="Expected users per round B_c.")
+    ] = _FED.clients_per_round,
+    rounds: Annotated[int, typer.Option(help="Rounds T.")] = _FED.rounds,
+    local_steps: Annotated[
+        int, typer.Option(help="Local SGD steps K (1 = FedSGD).")
+    ] = _FED.local_steps,
+    local_batch_size: Annotated[
+        int | None, typer.Option(help="Local batch B_m (default: all of a user's data).")
+    ] = _FED.local_batch_size,
+    client_lr: Annotated[float, typer.Option(help="Client learning rate η_c.")] = _FED.client_lr,
+    server_lr: Annotated[float, typer.Option(help="Server learning rate η_s.")] = _FED.server_lr,
+    server_optimizer: Annotated[
+        str, typer.Option(help="sgd, momentum or adam.")
+    ] = _FED.server_optimizer,
+    clip_norm: Annotated[
+        float, typer.Option(help="Clip norm C of each user's change.")
+    ] = _FED.clip_norm,
+    target_epsilon: Annotated[
+        float, typer.Option(help="User-level ε to spend.")
+    ] = _FED.target_epsilon,
+    delta: Annotated[float | None, typer.Option(help="δ; default ≥ 10× below 1/users.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for split, init, sampling, noise.")] = _FED.seed,
+    out: Annotated[Path | None, typer.Option(help="Run directory (default: runs/…).")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
+) -> None:
+    """Train with DP-FedAvg over simulated users (user-level DP) and write the report card."""
+    from dpfy.federated.experiment import federated_command
+
+    with _user_errors():
+        federated_command(
+            dataset=dataset, model=model, users=users, alpha=alpha,
+            clients_per_round=clients_per_round, rounds=rounds, local_steps=local_steps,
+            local_batch_size=local_batch_size, client_lr=client_lr, server_lr=server_lr,
+            server_optimizer=server_optimizer, clip_norm=clip_norm,
+            target_epsilon=target_epsilon, delta=delta, seed=seed, out=out, data_dir=data_dir,
+        )  # fmt: skip
 
 
 def main() -> None:

@@ -504,7 +504,7 @@ def collect_facts(
     dataset_source: str = "",
     preprocessing: Any = (),
     released: str = "final-model",
-    unit: str = "example",
+    unit: str | None = None,
     tuning: TuningFacts | None = None,
     results: ResultFacts | None = None,
     grad_norms: GradNormStats | None = None,
@@ -513,15 +513,22 @@ def collect_facts(
     optimizer_name: str | None = None,
     learning_rate: float | None = None,
 ) -> RunFacts:
-    """Assemble the facts of a finished (or stopped) run from the run itself and the trainer."""
+    """Assemble the facts of a finished (or stopped) run from the run itself and the trainer.
+
+    ``unit`` defaults to the run's own unit of privacy (``"user"`` for user-level DP-SGD).
+    """
     settings = training.settings
+    unit = settings.unit if unit is None else unit
     wrapped = getattr(training.optimizer, "original_optimizer", training.optimizer)
     if learning_rate is None and wrapped.param_groups:
         learning_rate = float(wrapped.param_groups[0].get("lr", math.nan))
     steps_taken = training.ledger.steps
     return RunFacts(
         dataset=DatasetFacts(
-            dataset_name, settings.dataset_size, dataset_source, preprocessing_steps(preprocessing)
+            dataset_name,
+            settings.examples or settings.dataset_size,  # user level: examples, not users
+            dataset_source,
+            preprocessing_steps(preprocessing),
         ),
         model=model_facts(training.model, model_name, training.engine.params),
         privacy=_build(PrivacySettings, dataclasses.asdict(settings)),

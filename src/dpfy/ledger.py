@@ -216,6 +216,13 @@ class PrivacyLedger:
         if not isinstance(step, StepRecord):
             raise ValueError(f"expected a StepRecord, got {type(step).__name__}")
         self._check_relation(relation)
+        units = {e.step.sampling.unit for e in self._entries if e.step is not None}
+        if units and step.sampling.unit not in units:
+            raise ValueError(
+                f"unit of privacy mismatch: this ledger accounts {units.pop()}-level steps but "
+                f"the step sampled {step.sampling.unit}s; ε for different units of privacy "
+                "cannot be composed (guide §2.1) — keep one unit for the run"
+            )
         event = step.event
         self._check_supported(event)
         return event

@@ -23,6 +23,7 @@ import torch
 
 from dpfy._validate import check_count, check_positive
 from dpfy.data.records import SamplingRecord
+from dpfy.distributed import GradientAggregator, LocalAggregator
 from dpfy.grads import ClipResult, GradEngine, LossReduction
 from dpfy.ledger import PrivacyLedger, StepRecord
 from dpfy.noise import NoiseSource, TorchNoise
@@ -95,6 +96,7 @@ class DPOptimizer(torch.optim.Optimizer):
         loss_reduction: LossReduction = "mean",
         noise: NoiseSource | None = None,
         boundary: BatchBoundary | None = None,
+        aggregator: GradientAggregator | None = None,
     ) -> None:
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the plain torch optimizer")
@@ -111,6 +113,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.loss_reduction = loss_reduction
         self.noise = noise if noise is not None else TorchNoise()
         self.boundary = boundary if boundary is not None else BatchBoundary()
+        self.aggregator = aggregator if aggregator is not None else LocalAggregator()
         self.clip_observers: list[Callable[[ClipResult], None]] = []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -126,15 +129,12 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        result = self.engine.clip_and_accumulate(
-            self.settings.max_grad_norm,
-            self.loss_reduction,
-            microbatch_size=self.settings.microbatch_size,
-        )
+        result = self._clip()
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
             self.engine.reset()
+            self.aggregator.skip()
             raise NonFiniteGradientError(
                 "a per-example gradient is NaN or infinite (a non-finite loss?); the step was not "
                 "applied and the model and ledger are unchanged — check the inputs and the loss, "
@@ -149,6 +149,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self.ledger.check_step(record)  # BudgetExhausted before anything changes
         except Exception:
             self.engine.reset()
+            self.aggregator.skip()
             raise
         self._write_private_grads()
         self.original_optimizer.step()
@@ -156,13 +157,24 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.reset()
         return loss
 
+    def _clip(self) -> ClipResult:
+        """Clip this physical batch's units into the engine's sum (per example or microbatch)."""
+        return self.engine.clip_and_accumulate(
+            self.settings.max_grad_norm,
+            self.loss_reduction,
+            microbatch_size=self.settings.microbatch_size,
+        )
+
     def _write_private_grads(self) -> None:
-        """p.grad = (clipped sum + N(0, (σ·sensitivity)²)) / expected units, for every param."""
+        """p.grad = (clipped sum + N(0, (σ·sensitivity)²)) / expected units, for every param.
+
+        The aggregator adds the noise (and, across ranks, sums the shares: dpfy.distributed).
+        """
         std = self.settings.noise_std
         divisor = self.settings.divisor
-        for name, total in self.engine.summed_grads().items():
-            param = self.engine.params[name]
-            param.grad = (total + self.noise.normal(total, std)).div_(divisor)
+        noisy = self.aggregator.privatise(self.engine.summed_grads(), std, self.noise)
+        for name, total in noisy.items():
+            self.engine.params[name].grad = total.div_(divisor)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state (the ledger and noise are saved by the session)."""

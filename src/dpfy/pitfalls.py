@@ -160,8 +160,8 @@ def _floor_log10(x: float) -> int:
 @detector("user-level-claim")
 def user_level_claim(facts: RunFacts) -> Iterator[Finding]:
     """A user-level claim from example-level sampling holds only if one example is one user."""
-    if facts.training.unit != "user":
-        return
+    if facts.training.unit != "user" or facts.privacy.unit == "user":
+        return  # user-level DP-SGD samples and clips users: the claim holds
     yield Finding(
         "user-level-claim",
         Severity.WARNING,
@@ -278,6 +278,7 @@ def clip_norm_mismatch(facts: RunFacts) -> Iterator[Finding]:
     clip, median = stats.max_grad_norm, stats.median
     ratio = clip / median
     unit = "example" if facts.privacy.microbatch_size is None else "microbatch"
+    unit = "user" if facts.privacy.unit == "user" else unit
     evidence = (
         f"C = {clip:g}, median per-{unit} gradient norm = {median:.4g} (C = {ratio:.3g} × "
         f"median), {stats.fraction_clipped:.0%} of {stats.count} {unit} gradients clipped"

@@ -149,11 +149,35 @@ def _released(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
     }
 
 
+_FEDERATED = {"dp-fedavg": "DP-FedAvg", "dp-fedsgd": "DP-FedSGD"}
+
+
 @section("unit_of_privacy", "3. Unit of privacy", _paragraph)
 def _unit(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
     """Which record the guarantee protects (guide §2.1)."""
     unit = facts.training.unit
-    return {"unit": unit, "statement": f"Unit of privacy: {UNITS[unit]} (guide §2.1)."}
+    statement = f"Unit of privacy: {UNITS[unit]} (guide §2.1)."
+    data: dict[str, Any] = {"unit": unit, "statement": statement}
+    p = facts.privacy
+    if p.unit == "user":
+        cap = p.max_examples_per_user
+        data.update(users=p.dataset_size, examples=p.examples, max_examples_per_user=cap)
+        data["statement"] += (
+            f" {p.dataset_size} users hold the {p.examples} training examples; each step samples "
+            f"users (not examples) with probability q = {p.sampling_rate:.6g}, and each sampled "
+            "user's gradient is the mean over "
+            + ("all of their examples" if cap is None else f"at most {cap} of their examples "
+               "(drawn uniformly each time the user is sampled)")
+            + ", clipped to C as one unit (user-level DP-SGD, McMahan et al. 2018)."
+        )  # fmt: skip
+    if p.unit == "user" and p.algorithm != "dp-sgd":  # dpfy.federated: DP-FedAvg / DP-FedSGD
+        data["statement"] = statement + (
+            f" {p.dataset_size} users hold the {p.examples} training examples; each round samples "
+            f"users with probability q = {p.sampling_rate:.6g}, each sampled user trains locally "
+            "on their own examples, and their whole model change is clipped to C as one unit "
+            f"({_FEDERATED.get(p.algorithm, p.algorithm)}, guide alg. 2, McMahan et al. 2018)."
+        )
+    return data
 
 
 _RELATIONS = {
@@ -175,9 +199,12 @@ def _render_relation(data: dict[str, Any]) -> list[str]:
 def _relation(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
     """Adjacency from the ledger, which refuses to mix relations (DESIGN rule 7)."""
     relation = facts.accounting.summary["relation"]
+    meaning = _RELATIONS[relation]
+    if facts.privacy.unit == "user":  # the record is a user with all of their examples
+        meaning = meaning.replace("one record", "one user (all of that user's examples)")
     return {
         "relation": relation,
-        "statement": f"Neighbouring relation: {relation} — {_RELATIONS[relation]}.",
+        "statement": f"Neighbouring relation: {relation} — {meaning}.",
         "comparability": (
             "ε under different neighbouring relations is not comparable: replace-one roughly "
             "doubles the sensitivity of add-or-remove (guide §2.1)."
@@ -234,7 +261,9 @@ def _accounting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any
         "sampler_description": " ".join(descriptions),
         "sensitivity": factor * p.max_grad_norm,
         "noise_std": p.noise_multiplier * factor * p.max_grad_norm,
-        "statement": (
+        "statement": _tree_statement(p, names.get(accountant, accountant))
+        if p.sampler in _TREE_SAMPLERS
+        else (
             f"Accounted with the {names.get(accountant, accountant)} accountant over every "
             f"recorded step: each step is the subsampled Gaussian mechanism with noise multiplier "
             f"σ = {p.noise_multiplier:.6g} (noise std σ·sensitivity on the sum of clipped "
@@ -243,6 +272,26 @@ def _accounting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any
         ),
     }
 
+
+def _tree_statement(p: Any, accountant: str) -> str:
+    """How a DP-FTRL run is accounted (Kairouz et al. 2021, App. D; dpfy.ftrl.accounting)."""
+    return (
+        f"DP-FTRL with tree aggregation, accounted with the {accountant} accountant and NO "
+        "sampling assumption: every node of the binary tree over the steps carries Gaussian "
+        f"noise of std σ·sensitivity (σ = {p.noise_multiplier:.6g}); one example's clipped "
+        "gradient sits in at most ⌈log₂(T+1)⌉ nodes of a tree of T steps and enters each tree at "
+        "most once, so each epoch is a Gaussian mechanism of noise σ/√⌈log₂(T+1)⌉ and epochs "
+        "compose. Adjacency replaces an example by a null one (the order is kept)."
+    )
+
+
+_TREE_NO_SAMPLING = (
+    True,
+    "Met — no sampling assumption was used: batches of B = {batch} were taken in {order} order, "
+    "each example at most once per epoch, and DP-FTRL's tree aggregation is accounted for any "
+    "such order (Kairouz et al. 2021).",
+)
+_TREE_SAMPLERS = {"tree-shuffle": "a shuffled", "tree-fixed-order": "a fixed"}
 
 _SAMPLING = {
     "poisson": (
@@ -261,7 +310,14 @@ _SAMPLING = {
         "Met: batches of a fixed size drawn uniformly at every step, accounted honestly as "
         "fixed-size subsampling under replace-one adjacency (not as Poisson).",
     ),
+    "tree-shuffle": _TREE_NO_SAMPLING,
+    "tree-fixed-order": _TREE_NO_SAMPLING,
 }
+
+
+def _per_user(template: str) -> str:
+    """A sampling statement about examples, said of users (user-level runs sample users)."""
+    return template.replace("every example joined each batch", "every user joined each step")
 
 
 def _render_assumptions(data: dict[str, Any]) -> list[str]:
@@ -306,14 +362,23 @@ def _assumptions(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, An
         else f"microbatches of {k} examples, the average gradient of each clipped to C: "
         f"sensitivity 2C = {2 * facts.privacy.max_grad_norm:g}, noise std 2σC (guide alg. 3)."
     )
+    if facts.privacy.unit == "user":
+        clipping = (
+            "per-user clipping: each sampled user's mean gradient is clipped to C, so adding or "
+            f"removing one user moves the sum by at most C = {facts.privacy.max_grad_norm:g}."
+        )
+        if facts.privacy.algorithm != "dp-sgd":
+            clipping = clipping.replace("mean gradient", "model change after local training")
     return {
         "all_met": bool(facts.accounting.summary["assumptions_met"]) and met and not unnoised,
         "sampling": {
             "kind": kind,
             "poisson": kind == "poisson",
             "met": met,
-            "statement": template.format(
-                eps=_eps(facts.accounting.epsilon_under_poisson_assumption)
+            "statement": (template if facts.privacy.unit != "user" else _per_user(template)).format(
+                eps=_eps(facts.accounting.epsilon_under_poisson_assumption),
+                batch=facts.privacy.expected_batch_size,
+                order=_TREE_SAMPLERS.get(kind, ""),
             ),
         },
         "noise_on_every_trainable_parameter": {
@@ -328,7 +393,7 @@ def _assumptions(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, An
             "statement": frozen_statement,
         },
         "clipping": {
-            "unit": "example" if k is None else "microbatch",
+            "unit": facts.privacy.unit if k is None else "microbatch",
             "microbatch_size": k,
             "sensitivity_in_c": facts.privacy.sensitivity_factor,
             "statement": clipping,
@@ -462,8 +527,24 @@ _HYPERPARAMETERS = (
 def _render_hyperparameters(data: dict[str, Any]) -> list[str]:
     """A table: name, symbol, value."""
     lines = ["| hyperparameter | symbol | value |", "|---|---|---|"]
-    lines += [f"| {label} | {sym} | {_num(data[key])} |" for key, sym, label in _HYPERPARAMETERS]
+    rows = _HYPERPARAMETERS + (_USER_HYPERPARAMETERS if data.get("unit") == "user" else ())
+    labels = _USER_LABELS if data.get("unit") == "user" else {}
+    lines += [
+        f"| {labels.get(key, label)} | {sym} | {_num(data[key])} |" for key, sym, label in rows
+    ]
     return lines
+
+
+# User-level runs (dpfy.user_level): N and B count users, and two more rows say what a user is.
+_USER_HYPERPARAMETERS = (
+    ("examples", "", "training examples held by the users"),
+    ("max_examples_per_user", "", "max examples per sampled user (— = all)"),
+)
+_USER_LABELS = {
+    "dataset_size": "users",
+    "sampling_rate": "user sampling rate B/N",
+    "expected_batch_size": "expected users per step",
+}
 
 
 @section("hyperparameters", "8. Hyperparameters", _render_hyperparameters)
@@ -483,7 +564,11 @@ def _hyperparameters(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str
         "microbatch_size": p.microbatch_size,
         "loss_reduction": p.loss_reduction,
         "sampler": p.sampler,
-    }
+    } | (
+        {"unit": "user", "examples": p.examples, "max_examples_per_user": p.max_examples_per_user}
+        if p.unit == "user"
+        else {}
+    )
 
 
 def _render_software(data: dict[str, str]) -> list[str]:
@@ -565,12 +650,12 @@ def _render_diagnostics(data: dict[str, Any]) -> list[str]:
     on = f" on {data['evaluated_on']}" if data["evaluated_on"] else ""
     lines.append(f"- accuracy of the private model{on}: {_num(data['accuracy'])}")
     lines.append(f"- accuracy of the non-private baseline{on}: {_num(data['baseline_accuracy'])}")
-    norms = data["grad_norms"]
+    norms, clipped = data["grad_norms"], data.get("clipped", "per-example gradient")
     if norms is None:
-        lines.append("- per-example gradient norms: not collected")
+        lines.append(f"- {clipped} norms: not collected")
     else:
         lines.append(
-            f"- per-example gradient norms before clipping ({norms['count']} values): median "
+            f"- {clipped} norms before clipping ({norms['count']} values): median "
             f"{norms['median']:.4g}, 10–90% [{norms['p10']:.4g}, {norms['p90']:.4g}], max "
             f"{norms['maximum']:.4g}; {norms['fraction_clipped']:.1%} clipped at C = "
             f"{norms['max_grad_norm']:g}"
@@ -589,7 +674,21 @@ def _diagnostics(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, An
         "baseline_accuracy": r.baseline_accuracy,
         "evaluated_on": r.evaluated_on,
         "grad_norms": None if facts.grad_norms is None else asdict(facts.grad_norms),
+        "clipped": _CLIPPED.get(
+            (facts.privacy.unit, facts.privacy.algorithm),
+            "per-example gradient"
+            if facts.privacy.microbatch_size is None
+            else "per-microbatch gradient",
+        ),
     }
+
+
+# What one clipped vector is, by (unit, algorithm), for the diagnostics line.
+_CLIPPED = {
+    ("user", "dp-sgd"): "per-user gradient",
+    ("user", "dp-fedavg"): "per-user model-change",
+    ("user", "dp-fedsgd"): "per-user model-change",
+}
 
 
 # -- the card -------------------------------------------------------------------------------------

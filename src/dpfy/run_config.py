@@ -9,6 +9,14 @@ from pathlib import Path
 #: Optimizers the trainer offers (each post-processes the private gradient, guide §5.5.2).
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad")
 
+#: Units of privacy ``dpfy train`` offers: per example (DP-SGD), or per simulated user
+#: (user-level DP-SGD on :func:`dpfy.data.users.split_users`; batch_size then counts users).
+UNIT_NAMES = ("example", "user")
+
+#: Training algorithms ``dpfy train`` offers: DP-SGD (Poisson sampling) or DP-FTRL (dpfy.ftrl:
+#: shuffled batches, tree-aggregation noise, no sampling assumption; needs --optimizer sgd).
+ALGORITHM_NAMES = ("dp-sgd", "dp-ftrl")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -28,6 +36,10 @@ class TrainConfig:
     baseline: bool = False
     data_dir: Path | None = None
     engine: str = "auto"
+    unit: str = "example"
+    users: int = 100
+    max_examples_per_user: int | None = None
+    algorithm: str = "dp-sgd"
 
     def resolved_delta(self, dataset_size: int) -> float:
         """δ as given, or a power of ten at least 10× below 1/N (guide §2.1: δ ≪ 1/N)."""

@@ -9,6 +9,7 @@ budget guard and the private optimizer, and returns them together as one
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 import tempfile
@@ -28,6 +29,7 @@ from dpfy.checks import check_model
 from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import check_batch_size
+from dpfy.distributed import ProcessGroupReplicas, SingleProcess, replicas_for, trainable_shapes
 from dpfy.grads import EngineChoice, GradEngine, LossReduction, make_engine
 from dpfy.ledger import PrivacyLedger
 from dpfy.noise import SecureNoise, TorchNoise
@@ -51,6 +53,7 @@ class PrivateTraining:
         engine: GradEngine,
         settings: PrivacySettings,
         noise: TorchNoise | SecureNoise,
+        replicas: SingleProcess | ProcessGroupReplicas | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -59,6 +62,7 @@ class PrivateTraining:
         self.engine = engine
         self.settings = settings
         self.noise = noise
+        self.replicas = replicas if replicas is not None else SingleProcess()
 
     @property
     def noise_multiplier(self) -> float:
@@ -71,7 +75,10 @@ class PrivateTraining:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: model, optimizer, ledger, sampler and noise RNG."""
+        """Everything a resumed run needs: model, optimizer, ledger, sampler and noise RNG.
+
+        Distributed: collective (call it on every rank); holds every rank's sampler and noise.
+        """
         return {
             "format": CHECKPOINT_FORMAT,
             "version": CHECKPOINT_VERSION,
@@ -79,8 +86,8 @@ class PrivateTraining:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "ledger": self.ledger.state_dict(),
-            "loader": self.loader.state_dict(),
-            "noise": self.noise.state_dict(),
+            "loader": self.replicas.gather(self.loader.state_dict()),
+            "noise": self.replicas.gather(self.noise.state_dict()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -109,8 +116,8 @@ class PrivateTraining:
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-            self.loader.load_state_dict(state["loader"])
-            self.noise.load_state_dict(state["noise"])
+            self.loader.load_state_dict(self.replicas.mine(state["loader"]))
+            self.noise.load_state_dict(self.replicas.mine(state["noise"]))
         except Exception as err:
             self.model.load_state_dict(backup["model"])
             self.optimizer.load_state_dict(backup["optimizer"])
@@ -122,17 +129,25 @@ class PrivateTraining:
         self.ledger.load_state_dict(ledger.state_dict())
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write a checkpoint atomically: a crash mid-write never destroys the previous one."""
+        """Write a checkpoint atomically: a crash mid-write never destroys the previous one.
+
+        Distributed: call it on every rank; only rank 0 writes, the others wait until it has.
+        """
         target = Path(path)
+        state = self.state_dict()
+        if not self.replicas.is_writer:
+            self.replicas.barrier()
+            return target
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
         os.close(handle)
         try:
-            torch.save(self.state_dict(), temporary)
+            torch.save(state, temporary)
             os.replace(temporary, target)
         finally:
             if os.path.exists(temporary):
                 os.unlink(temporary)
+        self.replicas.barrier()
         return target
 
     def load(self, path: str | os.PathLike[str]) -> None:
@@ -178,12 +193,16 @@ def make_private(
     loss_reduction: LossReduction = "mean",
     engine: EngineChoice = "auto",
     accountant: str = "pld",
-    sampler: SamplingKind | str = SamplingKind.POISSON,
+    sampler: SamplingKind | str | None = None,
     microbatch_size: int | None = None,
     max_physical_batch_size: int | None = None,
     secure_noise: bool = False,
     seed: int | None = None,
     batch_first: bool = True,
+    distributed: bool | None = None,
+    user_ids: torch.Tensor | None = None,
+    max_examples_per_user: int | None = None,
+    algorithm: str = "dp-sgd",
 ) -> PrivateTraining:
     """Make ``model`` + ``optimizer`` train privately on ``train_dataset`` (guide alg. 1).
 
@@ -193,8 +212,21 @@ def make_private(
     explicitly choose "shuffle" (accounted under the Poisson assumption, flagged as not met) or
     "fixed-size" (replace-one adjacency, RDP accounting). ``seed`` makes sampling and noise
     reproducible; leave it None in production (OS-seeded). ``secure_noise`` draws noise from the
-    OS CSPRNG (slower; see :mod:`dpfy.noise`).
+    OS CSPRNG (slower; see :mod:`dpfy.noise`). ``distributed`` (None: automatic when a process
+    group of more than one rank is initialised) trains across ranks with one guarantee and one
+    ledger: every rank passes the same whole dataset and settings (:mod:`dpfy.distributed`).
+    ``user_ids`` (one user id per example) switches to user-level DP-SGD: ``batch_size`` is then
+    the expected number of users per step (:mod:`dpfy.user_level`). ``algorithm="dp-ftrl"``
+    trains with DP-FTRL instead (:func:`dpfy.ftrl.make_private_ftrl`: SGD, fixed batches in
+    "shuffle" (default) or "fixed-order" order, no sampling assumption); ``sampler=None`` means
+    Poisson for DP-SGD.
     """
+    if algorithm != "dp-sgd":
+        return _other_algorithm(locals())
+    sampler = SamplingKind.POISSON if sampler is None else sampler
+    if user_ids is not None or max_examples_per_user is not None:
+        return _user_level(locals())
+    replicas = replicas_for(distributed, model)
     check_model(model)
     delta = check_delta(delta)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
@@ -215,9 +247,13 @@ def make_private(
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed)
+        generator.manual_seed(replicas.sampling_seed(seed))
     loader = DPDataLoader(
-        train_dataset, batch_size, steps=total_steps, sampler=kind, generator=generator
+        train_dataset,
+        batch_size,
+        steps=total_steps,
+        sampler=replicas.sampler(kind, dataset_size, batch_size, total_steps, generator),
+        generator=generator,
     )
     record = loader.sampling_record
     sigma = _noise_multiplier(
@@ -228,7 +264,8 @@ def make_private(
     )
     grad_engine = make_engine(model, engine, batch_first=batch_first)
     settings = NoiseSettings(sigma, max_grad_norm, batch_size, microbatch_size)
-    noise = SecureNoise() if secure_noise else TorchNoise(seed=None if seed is None else seed + 1)
+    noise_seed = None if seed is None else replicas.noise_seed(seed)
+    noise = SecureNoise() if secure_noise else TorchNoise(seed=noise_seed)
     boundary = BatchBoundary()
     private_optimizer = DPOptimizer(
         optimizer,
@@ -239,6 +276,7 @@ def make_private(
         loss_reduction=loss_reduction,
         noise=noise,
         boundary=boundary,
+        aggregator=replicas.aggregator(),
     )
     run_loader: DPDataLoader | VirtualBatchLoader = loader
     if max_physical_batch_size is not None:
@@ -257,9 +295,46 @@ def make_private(
         microbatch_size=microbatch_size,
         loss_reduction=loss_reduction,
     )
+    replicas.check_agreement({**asdict(privacy), "parameters": trainable_shapes(model)})
+    replicas.broadcast_model(model)
     return PrivateTraining(
-        model, private_optimizer, run_loader, ledger, grad_engine, privacy, noise
+        model, private_optimizer, run_loader, ledger, grad_engine, privacy, noise, replicas
     )
+
+
+def _other_algorithm(arguments: dict[str, Any]) -> PrivateTraining:
+    """make_private's arguments handed to another algorithm's builder (DP-FTRL: dpfy.ftrl)."""
+    from dpfy.ftrl.session import ALGORITHM, from_make_private
+
+    if str(arguments["algorithm"]).strip().lower() != ALGORITHM:
+        raise ValueError(f"algorithm must be 'dp-sgd' or 'dp-ftrl'; got {arguments['algorithm']!r}")
+    return from_make_private(arguments)
+
+
+def _user_level(arguments: dict[str, Any]) -> PrivateTraining:
+    """make_private's arguments handed to user-level DP-SGD, refusing example-level-only ones."""
+    from dpfy.user_level import make_user_private
+
+    if arguments["user_ids"] is None:
+        raise ValueError("max_examples_per_user needs user_ids (one user id per example)")
+    accepted = inspect.signature(make_user_private).parameters
+    defaults = inspect.signature(make_private).parameters
+    poisson = arguments.get("sampler") is None or (
+        SamplingKind.parse(arguments["sampler"]) is SamplingKind.POISSON
+    )
+    unsupported = [
+        name
+        for name, value in arguments.items()
+        if name not in accepted
+        and value != defaults[name].default
+        and not (name == "sampler" and poisson)
+    ]
+    if unsupported:
+        raise ValueError(
+            f"{', '.join(unsupported)} not supported with user_ids (user-level DP-SGD samples "
+            "users by Poisson and clips per user, in one process); leave them at their defaults"
+        )
+    return make_user_private(**{k: v for k, v in arguments.items() if k in accepted})
 
 
 def _resolve_steps(

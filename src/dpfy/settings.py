@@ -21,6 +21,15 @@ class PrivacySettings:
     sampler: str
     microbatch_size: int | None
     loss_reduction: str
+    #: User-level runs (guide §2.1, §4.4): ``dataset_size`` and ``expected_batch_size`` then count
+    #: users; ``examples`` is the number of training examples they hold together, and
+    #: ``max_examples_per_user`` caps how many of a sampled user's examples one step uses.
+    unit: str = "example"
+    examples: int | None = None
+    max_examples_per_user: int | None = None
+    #: What was clipped per unit: "dp-sgd" (gradients) or "dp-fedavg" / "dp-fedsgd" (each
+    #: sampled user's model change after local training, dpfy.federated; guide alg. 2).
+    algorithm: str = "dp-sgd"
 
     @property
     def sensitivity_factor(self) -> float:

@@ -23,8 +23,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpfy._validate import check_count, check_positive
 from dpfy.data.datasets import LoadedDataset, load_dataset
+from dpfy.data.users import UserSplit, split_users
+from dpfy.distributed import current_replicas, launched_process_group
 from dpfy.models import build_model
-from dpfy.run_config import TrainConfig
+from dpfy.run_config import ALGORITHM_NAMES, UNIT_NAMES, TrainConfig
 from dpfy.session import PrivateTraining, make_private
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -49,12 +51,16 @@ class TrainResult:
     delta: float
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
+    rank: int = 0  # under torchrun, only rank 0 wrote the run directory
 
 
 def default_run_dir(config: TrainConfig) -> Path:
     """runs/<dataset>-<model>-eps<ε>-<time>: a fresh directory per run."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{config.dataset}-{config.model}-eps{config.target_epsilon:g}-{stamp}"
+    unit = "-user" if config.unit == "user" else ""
+    return Path("runs") / (
+        f"{config.dataset}-{config.model}{unit}-eps{config.target_epsilon:g}-{stamp}"
+    )
 
 
 def prepare_run_dir(path: Path) -> Path:
@@ -88,6 +94,23 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(
             f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {config.optimizer!r}"
         )
+    if config.unit not in UNIT_NAMES:
+        raise ValueError(f"unit must be one of {', '.join(UNIT_NAMES)}; got {config.unit!r}")
+    if config.unit == "user":
+        check_count("users", config.users, minimum=1)
+        if config.batch_size > config.users:
+            raise ValueError(
+                f"batch_size {config.batch_size} exceeds --users {config.users}: at user level "
+                "batch_size is the expected number of users per step; lower it"
+            )
+    if config.max_examples_per_user is not None:
+        check_count("max_examples_per_user", config.max_examples_per_user, minimum=1)
+    if config.algorithm not in ALGORITHM_NAMES:
+        raise ValueError(
+            f"algorithm must be one of {', '.join(ALGORITHM_NAMES)}; got {config.algorithm!r}"
+        )
+    if config.algorithm == "dp-ftrl" and (config.optimizer != "sgd" or config.unit != "example"):
+        raise ValueError("--algorithm dp-ftrl needs --optimizer sgd and --unit example")
 
 
 def accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 1024) -> float:
@@ -176,17 +199,38 @@ def train_baseline(config: TrainConfig, data: LoadedDataset) -> float:
     return accuracy(model, data.test)
 
 
+def _user_split(config: TrainConfig, data: LoadedDataset) -> UserSplit | None:
+    """At user level, the training split dealt to ``config.users`` skewed simulated users."""
+    if config.unit != "user":
+        return None
+    return split_users(data.train.tensors[1], config.users, seed=config.seed)
+
+
 def run_training(config: TrainConfig, console: Console | None = None) -> TrainResult:
-    """Train, evaluate, write the run directory and the privacy report; return the figures."""
+    """Train, evaluate, write the run directory and the privacy report; return the figures.
+
+    Under ``torchrun --nproc-per-node N -m dpfy train …`` every rank trains its shard of one
+    private run (:mod:`dpfy.distributed`); rank 0 alone evaluates the result into the run directory.
+    """
+    with launched_process_group():
+        return _run_training(config, console)
+
+
+def _run_training(config: TrainConfig, console: Console | None = None) -> TrainResult:
+    """One process's part of :func:`run_training`."""
     from dpfy.facts import ResultFacts, collect_facts, record_clip_norms
     from dpfy.report import write_report
 
-    console = console or Console()
+    replicas = current_replicas()
+    console = (console or Console()) if replicas.is_writer else Console(quiet=True)
     check_config(config)
-    run_dir = prepare_run_dir(config.out or default_run_dir(config))
+    if replicas.world_size > 1 and config.unit == "user":
+        raise ValueError("--unit user trains in one process; launch it without torchrun")
+    run_dir = replicas.on_writer(lambda: prepare_run_dir(config.out or default_run_dir(config)))
     started = time.perf_counter()
     data = load_dataset(config.dataset, data_dir=config.data_dir)
-    delta = config.resolved_delta(len(data.train))
+    split = _user_split(config, data)
+    delta = config.resolved_delta(len(data.train) if split is None else split.num_users)
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_classes)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
@@ -201,17 +245,27 @@ def run_training(config: TrainConfig, console: Console | None = None) -> TrainRe
         max_grad_norm=config.max_grad_norm,
         engine=config.engine,
         seed=config.seed,
+        user_ids=None if split is None else split.user_ids,
+        max_examples_per_user=None if split is None else config.max_examples_per_user,
+        algorithm=config.algorithm,
     )
     console.print(
         f"[bold]dpfy train[/] {config.dataset} ({len(data.train)} examples) · {config.model} · "
         f"ε = {config.target_epsilon:g}, δ = {delta:g} · σ = {private.noise_multiplier:.3f}, "
         f"q = {private.settings.sampling_rate:.4f}, {private.settings.steps} steps · "
         f"engine {private.engine.kind}"
+        + ("" if split is None else f" · user-level, {split.num_users} users")
     )
     eval_every = max(1, private.settings.steps // 20)
     with record_clip_norms(private) as norms:
         history = train_private(private, data, console, eval_every)
     test_accuracy = accuracy(private.model, data.test)
+    replicas.verify_ledger(private.ledger)
+    if not replicas.is_writer:  # rank 0 writes the run directory; the others are done
+        seconds = time.perf_counter() - started
+        return TrainResult(
+            run_dir, test_accuracy, None, private.epsilon(), delta, seconds, history, replicas.rank
+        )
     baseline = train_baseline(config, data) if config.baseline else None
     seconds = time.perf_counter() - started
     torch.save(private.model.state_dict(), run_dir / "model.pt")
@@ -221,7 +275,7 @@ def run_training(config: TrainConfig, console: Console | None = None) -> TrainRe
         private,
         dataset_name=data.name,
         model_name=config.model,
-        dataset_source=data.source,
+        dataset_source=data.source if split is None else f"{data.source}; {split.describe()}",
         preprocessing=data.preprocessing,
         results=ResultFacts(accuracy=test_accuracy, baseline_accuracy=baseline),
         grad_norms=norms.stats(config.max_grad_norm),

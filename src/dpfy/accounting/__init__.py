@@ -36,6 +36,7 @@ from dpfy.accounting.events import (
     PureDpEvent,
     RepeatAndSelectEvent,
     SelfComposedEvent,
+    TreeAggregationEvent,
     TrialDistribution,
     dpsgd_event,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "RdpAccountant",
     "RepeatAndSelectEvent",
     "SelfComposedEvent",
+    "TreeAggregationEvent",
     "TrialDistribution",
     "UnsupportedEventError",
     "advanced_composition",

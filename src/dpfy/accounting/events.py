@@ -157,6 +157,54 @@ class ComposedEvent(DpEvent):
         object.__setattr__(self, "events", events)
 
 
+@dataclass(frozen=True)
+class TreeAggregationEvent(DpEvent):
+    """One epoch of DP-FTRL tree aggregation: Gaussian noise on every node of one or more trees.
+
+    Kairouz, McMahan, Song, Thakkar, Thakurta & Xu 2021 ("Practical and Private (Deep) Learning
+    without Sampling or Shuffling", App. D): a binary tree over a stream of ``steps`` clipped
+    gradient sums gets N(0, σ²Δ²) on each node; the tree is restarted after each entry of
+    ``step_counts``, and every record enters **at most once across all these trees**. One record
+    then sits in at most ``depth = ⌈log₂(max(step_counts) + 1)⌉`` nodes, so the whole release is a
+    Gaussian mechanism of noise multiplier σ/√depth. Several epochs compose (a self-composed
+    event). The stream's order is fixed whatever the data, so neighbours replace a record by a
+    null one (zero-out) or by another (replace-one); add-or-remove would shift the stream and is
+    refused by the accountants.
+    """
+
+    noise_multiplier: float
+    step_counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_positive("noise_multiplier", self.noise_multiplier)
+        counts = self.step_counts
+        if isinstance(counts, int) and not isinstance(counts, bool):
+            counts = (counts,)
+        if not isinstance(counts, (tuple, list)) or not counts:
+            raise ValueError(
+                "step_counts must be a non-empty sequence of tree sizes (steps between restarts), "
+                f"got {self.step_counts!r}"
+            )
+        counts = tuple(check_count("step_counts[i]", c, minimum=1) for c in counts)
+        object.__setattr__(self, "step_counts", counts)
+
+    @property
+    def depth(self) -> int:
+        """Nodes one record can touch: ⌈log₂(T+1)⌉ for the largest tree (T.bit_length())."""
+        return max(self.step_counts).bit_length()
+
+
+def tree_aggregation_reason(relation: NeighbouringRelation) -> str | None:
+    """Why tree aggregation has no bound under ``relation`` (add-or-remove), or None."""
+    if relation is NeighbouringRelation.ADD_OR_REMOVE:
+        return (
+            "tree aggregation (DP-FTRL) is accounted with the stream's order fixed, so an example "
+            "is replaced by a null example rather than removed (Kairouz et al. 2021, App. D): use "
+            "relation='zero-out' (or 'replace-one'), not add-or-remove"
+        )
+    return None
+
+
 class TrialDistribution(enum.Enum):
     """How the number of tuning trials is drawn (Papernot & Steinke 2022)."""
 

@@ -49,6 +49,8 @@ from dpfy.accounting.events import (
     PureDpEvent,
     RepeatAndSelectEvent,
     SelfComposedEvent,
+    TreeAggregationEvent,
+    tree_aggregation_reason,
 )
 
 #: Mass allowed outside the composed window on each side (added to δ in full).
@@ -505,6 +507,13 @@ def _leaves(
             _leaves(inner, relation, out, times)
     elif isinstance(event, PoissonSampledEvent):
         leaf = _sampled_leaf(event, relation)
+        out[leaf] = out.get(leaf, 0) + times
+    elif isinstance(event, TreeAggregationEvent):  # a Gaussian of noise σ/√depth (App. D)
+        reason = tree_aggregation_reason(relation)
+        if reason is not None:
+            raise _Unsupported(reason)
+        mu = relation.sensitivity_factor * math.sqrt(event.depth) / event.noise_multiplier
+        leaf = _Leaf(GaussianPair(mu), 1.0)
         out[leaf] = out.get(leaf, 0) + times
     elif type(event) in _PAIRS:
         leaf = _Leaf(_PAIRS[type(event)](event, relation.sensitivity_factor), 1.0)

@@ -35,7 +35,9 @@ from dpfy.accounting.events import (
     PureDpEvent,
     RepeatAndSelectEvent,
     SelfComposedEvent,
+    TreeAggregationEvent,
     TrialDistribution,
+    tree_aggregation_reason,
 )
 
 __all__ = [
@@ -263,6 +265,16 @@ def _pure_epsilon(event: DpEvent, relation: NeighbouringRelation) -> float:
     """The RDP at order ∞ (pure-DP ε) of a leaf event, ∞ when it has none (e.g. Gaussian)."""
     rule = _PURE_EPSILON.get(type(event))
     return math.inf if rule is None else rule(event, relation)
+
+
+# -- DP-FTRL tree aggregation (Kairouz et al. 2021, App. D) --------------------------------------
+@_rule(TreeAggregationEvent, lambda event, relation: tree_aggregation_reason(relation))
+def _tree_aggregation_curve(
+    event: TreeAggregationEvent, relation: NeighbouringRelation, orders: np.ndarray
+) -> np.ndarray:
+    """α·depth·s²/(2σ²): one record sits in at most ``depth`` nodes, each with noise σ·Δ."""
+    scale = relation.sensitivity_factor / event.noise_multiplier
+    return orders * event.depth * scale**2 / 2.0
 
 
 # -- Poisson-sampled Gaussian (Mironov, Talwar & Zhang 2019) ------------------------------------

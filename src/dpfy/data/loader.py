@@ -37,7 +37,7 @@ class DPDataLoader(DataLoader):
         *,
         steps: int | None = None,
         epochs: int | None = None,
-        sampler: SamplingKind | str = SamplingKind.POISSON,
+        sampler: SamplingKind | str | DpBatchSampler = SamplingKind.POISSON,
         generator: torch.Generator | None = None,
         secure: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -50,9 +50,17 @@ class DPDataLoader(DataLoader):
                 raise ValueError(f"DPDataLoader chooses {name} itself; do not pass it")
         per_epoch = dataset_size // batch_size
         steps = _resolve_steps(steps, epochs, per_epoch)
-        batch_sampler = make_sampler(
-            sampler, dataset_size, batch_size, steps, generator, secure=secure
-        )
+        if isinstance(sampler, DpBatchSampler):  # built by the caller (e.g. a rank's shard)
+            if sampler.dataset_size != dataset_size:
+                raise ValueError(
+                    f"the sampler draws from {sampler.dataset_size} examples but the dataset has "
+                    f"{dataset_size}; build the sampler for this dataset"
+                )
+            batch_sampler = sampler
+        else:
+            batch_sampler = make_sampler(
+                sampler, dataset_size, batch_size, steps, generator, secure=secure
+            )
         collate = collate_fn if collate_fn is not None else default_collate
         super().__init__(
             dataset,

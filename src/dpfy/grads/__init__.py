@@ -24,7 +24,8 @@ Contract for the optimizer that consumes an engine
     sequence tensors are then (T, B, ...) (token indices (T, B)); pooled (B, d) features and
     channels-first layers (convolutions, GroupNorm) keep the batch first.
 
-``engine.clip_and_accumulate(max_grad_norm, loss_reduction="mean", *, microbatch_size=None)``
+``engine.clip_and_accumulate(max_grad_norm, loss_reduction="mean", *, microbatch_size=None,
+groups=None)``
     Call once after each ``loss.backward()``. ``loss_reduction`` states how the loss combined the
     n examples of the physical batch: ``"mean"`` (loss = (1/n) Σ ℓᵢ; gradients are multiplied
     back by n) or ``"sum"``. Adds the clipped sum into the accumulator (so physical batches add up
@@ -33,6 +34,10 @@ Contract for the optimizer that consumes an engine
     ``microbatch_size=k`` clips the *average* gradient of each group of k consecutive examples
     instead (guide alg. 3; a last, smaller group is averaged over its own size). Its sensitivity
     is **2C**: the optimizer must add noise of std 2σC (DESIGN rule 6); the engine only sums.
+    ``groups`` (an integer tensor, one id per example, any order and group sizes) clips the
+    average gradient of each group of examples sharing an id instead: one group per user gives
+    user-level DP-SGD (:mod:`dpfy.user_level`), whose sensitivity is C because the whole group
+    is the protected record. Both are laid out by :class:`dpfy.grads.layout.Units`.
     Afterwards every trainable ``p.grad`` is **None**: the non-private gradient of the backward
     pass is discarded, so an optimizer cannot step on it by accident. An empty batch (n = 0), or
     no backward since the last call, adds nothing and reports 0 examples; it never raises, and

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from dpfy._validate import check_count, check_positive
 from dpfy.grads.capture import Call, Tap, Taps
+from dpfy.grads.layout import Units
 from dpfy.grads.registry import find_rule
 from dpfy.grads.substitutions import Substitution, restore
 
@@ -87,6 +88,7 @@ class GradEngine:
         loss_reduction: LossReduction = "mean",
         *,
         microbatch_size: int | None = None,
+        groups: Tensor | None = None,
     ) -> ClipResult:
         """Clip each unit's gradient to ``max_grad_norm`` and add the clipped sum to the total.
 
@@ -94,7 +96,10 @@ class GradEngine:
         the examples: ``"mean"`` (loss = (1/n) Σ ℓᵢ) or ``"sum"``. With ``microbatch_size=k``,
         groups of k consecutive examples are averaged and the *average* is clipped (guide alg. 3;
         its sensitivity is 2C, the optimizer must add noise accordingly); a last, smaller group
-        is averaged over its own size. Afterwards every trainable ``p.grad`` is None: the
+        is averaged over its own size. With ``groups`` (an integer tensor, one id per example,
+        any order and sizes) each group's *average* gradient is clipped instead — e.g. one group
+        per user for user-level DP-SGD (McMahan et al. 2018), where the whole group is the unit
+        of privacy and the sensitivity stays C. Afterwards every trainable ``p.grad`` is None: the
         non-private gradient of the backward pass is discarded so it cannot be used by accident.
         An empty batch (or no backward since the last call) adds nothing and reports 0 examples.
         """
@@ -105,18 +110,24 @@ class GradEngine:
         group = 1 if microbatch_size is None else check_count("microbatch_size", microbatch_size)
         if group < 1:
             raise ValueError(f"microbatch_size must be a whole number >= 1, got {group!r}")
+        if groups is not None:
+            groups = _check_groups(groups, microbatch_size)
         self._taps.active = False  # engines may call watched layers themselves
         try:
             calls = self._collect_calls()
             n = self._batch_size(calls)
+            if groups is not None and groups.numel() != n:
+                raise ValueError(
+                    f"groups has {groups.numel()} ids but the batch has {n} examples; pass one "
+                    "group id per example of this batch"
+                )
             if n == 0:
                 return ClipResult(torch.zeros(0), 0, 0)
-            units = -(-n // group)
-            sizes = torch.full((units,), float(group))
-            sizes[-1] = n - (units - 1) * group
+            units = Units.consecutive(n, group) if groups is None else Units.from_ids(groups)
             base = float(n) if loss_reduction == "mean" else 1.0
+            sizes = units.sizes.to(torch.float64)  # exact ratios, then the gradients' dtype
             scale = base / sizes  # unit gradient = scale · (sum of captured gradients)
-            sq = self._unit_sq_norms(calls, n, group)
+            sq = self._unit_sq_norms(calls, units)
             calls.clear()  # the engine keeps what it needs; let summed layers free their tensors
             scale = scale.to(sq.device, sq.dtype)
             norms = sq.clamp_min(0).sqrt() * scale
@@ -124,7 +135,7 @@ class GradEngine:
             for name, value in self._unit_weighted_sums(factors * scale).items():
                 self._add(name, value)
             self.num_examples += n
-            return ClipResult(norms.detach(), n, units)
+            return ClipResult(norms.detach(), n, units.count)
         finally:
             self._release()
 
@@ -158,7 +169,7 @@ class GradEngine:
 
     # ---------------------------------------------------------------- engine-specific parts
 
-    def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], n: int, group: int) -> Tensor:
+    def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], units: Units) -> Tensor:
         """Squared gradient norm of each clipping unit, before loss scaling."""
         raise NotImplementedError
 
@@ -277,3 +288,18 @@ class GradEngine:
         """Engine kind and what it watches."""
         extra = f", fallback_reason={self.fallback_reason!r}" if self.fallback_reason else ""
         return f"{type(self).__name__}(kind={self.kind!r}, params={len(self.params)}{extra})"
+
+
+def _check_groups(groups: Tensor, microbatch_size: int | None) -> Tensor:
+    """A 1-D integer tensor of group ids, and no microbatch size beside it."""
+    if microbatch_size is not None:
+        raise ValueError("pass microbatch_size or groups, not both")
+    if (
+        not isinstance(groups, Tensor)
+        or groups.dim() != 1
+        or groups.dtype.is_floating_point
+        or groups.dtype.is_complex
+        or groups.dtype == torch.bool
+    ):
+        raise ValueError("groups must be a 1-D integer tensor holding one group id per example")
+    return groups

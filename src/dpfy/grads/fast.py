@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dpfy.grads.capture import Call, Tap, release
 from dpfy.grads.engine import GradEngine
-from dpfy.grads.layout import pad_batch, prepare_call
+from dpfy.grads.layout import Units, prepare_call
 from dpfy.grads.registry import LayerRule, find_rule
 
 __all__ = ["FastEngine"]
@@ -55,7 +55,7 @@ class FastEngine(GradEngine):
         """During backward: reduce the call to per-example gradients where its rule says so."""
         if call.stale_input() or len(tap.calls) > 1:
             return  # clip_and_accumulate reports these
-        prepared = prepare_call(call, self.batch_dim(tap, call), 1)
+        prepared = prepare_call(call, self.batch_dim(tap, call))
         grads = self._rule(tap).per_example_grads(tap.module, prepared)
         if grads is None:
             return
@@ -63,22 +63,18 @@ class FastEngine(GradEngine):
         call.release()
         call.compact, call.size = grads, size
 
-    def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], n: int, group: int) -> Tensor:
+    def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], units: Units) -> Tensor:
         """Sum each layer's per-unit squared norms (from its rule, or its compact gradients)."""
         self._pending = []
         total: Tensor | None = None
-        units = -(-n // group)
         for tap, call in calls:
             rule = self._rule(tap)
             if call.compact is not None:
-                grouped = {
-                    name: pad_batch(rows, units * group).reshape(units, group, -1).sum(1)
-                    for name, rows in call.compact.items()
-                }
+                grouped = {name: units.sum_rows(rows) for name, rows in call.compact.items()}
                 self._pending.append((tap, rule, call, grouped))
                 sq = sum(g.square().sum(1) for g in grouped.values())
             else:
-                prepared = prepare_call(call, self.batch_dim(tap, call), group)
+                prepared = prepare_call(call, self.batch_dim(tap, call), units)
                 self._pending.append((tap, rule, prepared, None))
                 sq = rule.sq_norms(tap.module, prepared)
             total = sq if total is None else total + sq

@@ -11,6 +11,7 @@ from dpfy.grads.capture import Call
 
 __all__ = [
     "BATCH_SLICES",
+    "Units",
     "batch_slices",
     "flatten_positions",
     "group_positions",
@@ -27,16 +28,86 @@ def pad_batch(x: Tensor, size: int) -> Tensor:
     return torch.cat([x, x.new_zeros((missing, *x.shape[1:]))])
 
 
-def prepare_call(call: Call, batch_dim: int, group: int) -> Call:
-    """Move the batch dim first, zero-fill unused outputs, pad to whole microbatches."""
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """How the n examples of a batch form clipping units: examples, microbatches or users.
+
+    ``index[i]`` is the unit (0..U-1) of example i and ``sizes[u]`` the number of examples in
+    unit u. Rules read a *padded, unit-major* layout of ``U · width`` rows, in which unit u owns
+    rows ``u·width … u·width + width - 1`` and unused rows are zero examples (which contribute
+    nothing to any gradient): ``slots[i]`` is example i's row there, or None when the examples
+    already lie in that order and only the tail needs padding (per-example and microbatch units).
+    """
+
+    index: Tensor
+    sizes: Tensor
+    width: int
+    slots: Tensor | None = None
+
+    @classmethod
+    def consecutive(cls, n: int, group: int) -> Units:
+        """Groups of ``group`` consecutive examples; a last, smaller group keeps its own size."""
+        count = -(-n // group)
+        sizes = torch.full((count,), group, dtype=torch.int64)
+        sizes[-1] = n - (count - 1) * group
+        return cls(torch.arange(n) // group, sizes, group)
+
+    @classmethod
+    def from_ids(cls, ids: Tensor) -> Units:
+        """One unit per distinct id (any order, any sizes); units are numbered by sorted id."""
+        ids = ids.detach().to("cpu", torch.int64)
+        distinct, index = torch.unique(ids, return_inverse=True)
+        sizes = torch.bincount(index, minlength=distinct.numel())
+        width = int(sizes.max())
+        order = torch.argsort(index, stable=True)
+        starts = torch.cumsum(sizes, 0) - sizes
+        rank = torch.empty_like(index)
+        rank[order] = torch.arange(ids.numel()) - starts[index[order]]
+        slots = index * width + rank
+        in_place = bool(torch.equal(slots, torch.arange(ids.numel())))
+        return cls(index, sizes, width, None if in_place else slots)
+
+    @property
+    def count(self) -> int:
+        """U, the number of clipping units."""
+        return int(self.sizes.numel())
+
+    @property
+    def rows(self) -> int:
+        """Rows of the padded layout, ``U · width``."""
+        return self.count * self.width
+
+    def place(self, x: Tensor) -> Tensor:
+        """(n, ...) batch-first rows → (U·width, ...) padded unit-major rows."""
+        if self.slots is None:
+            return pad_batch(x, self.rows)
+        out = x.new_zeros((self.rows, *x.shape[1:]))
+        out[self.slots.to(x.device)] = x
+        return out
+
+    def sum_rows(self, x: Tensor) -> Tensor:
+        """(n, ...) per-example rows → (U, ...) per-unit sums."""
+        if self.width == 1 and self.slots is None:
+            return x
+        return self.place(x).reshape(self.count, self.width, *x.shape[1:]).sum(1)
+
+    def expand(self, weights: Tensor) -> Tensor:
+        """(U,) per-unit weights → (n,) the weight of each example's unit."""
+        return weights[self.index.to(weights.device)]
+
+
+def prepare_call(call: Call, batch_dim: int, units: Units | None = None) -> Call:
+    """Move the batch dim first, zero-fill unused outputs, lay examples out by unit (padded)."""
     n = call.inputs[0].shape[batch_dim] if isinstance(call.inputs[0], Tensor) else None
     moved: dict[int, tuple[Tensor, Tensor]] = {}  # id → (tensor, moved): identical stay identical
+    group = 1 if units is None else units.width
+    spread = n is not None and units is not None and (group > 1 or units.slots is not None)
 
     def move(x: Tensor) -> Tensor:
         if id(x) not in moved:  # the entry keeps x alive, so its id cannot be reused meanwhile
             y = x.movedim(batch_dim, 0) if batch_dim else x
-            if n is not None and group > 1:
-                y = pad_batch(y, -(-n // group) * group)
+            if spread:
+                y = units.place(y)
             moved[id(x)] = (x, y)
         return moved[id(x)][1]
 

@@ -18,7 +18,7 @@ from torch.func import functional_call, vjp, vmap
 
 from dpfy.grads.capture import Call, Tap, output_tensors
 from dpfy.grads.engine import GradEngine
-from dpfy.grads.layout import pad_batch
+from dpfy.grads.layout import Units
 
 __all__ = ["VmapEngine", "per_example_grads", "weighted_grads"]
 
@@ -95,16 +95,15 @@ class VmapEngine(GradEngine):
         """Same arguments as :class:`GradEngine`."""
         super().__init__(*args, **kwargs)
         self._calls: list[tuple[Tap, Call]] = []
-        self._group = 1
+        self._units: Units | None = None
 
-    def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], n: int, group: int) -> Tensor:
+    def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], units: Units) -> Tensor:
         """Per-unit squared norms, layer by layer; shared parameters summed before squaring."""
         uses: dict[str, int] = {}
         for tap, _ in calls:
             for local in tap.trainable:
                 name = self._names[id(getattr(tap.module, local))]
                 uses[name] = uses.get(name, 0) + 1
-        units = -(-n // group)
         total: Tensor | None = None
         shared: dict[str, Tensor] = {}
 
@@ -118,16 +117,17 @@ class VmapEngine(GradEngine):
                 if uses[name] > 1:
                     shared[name] = shared[name] + grad if name in shared else grad
                 else:
-                    add(_grouped(grad, units, group).flatten(1).square().sum(1))
+                    add(units.sum_rows(grad).flatten(1).square().sum(1))
         for grad in shared.values():
-            add(_grouped(grad, units, group).flatten(1).square().sum(1))
-        self._calls, self._group = list(calls), group
+            add(units.sum_rows(grad).flatten(1).square().sum(1))
+        self._calls, self._units = list(calls), units
         assert total is not None
         return total
 
     def _unit_weighted_sums(self, weights: Tensor) -> dict[str, Tensor]:
         """Σ_u w_u grad_u for every parameter: one scaled vjp per layer call."""
-        per_example = weights.repeat_interleave(self._group)
+        assert self._units is not None
+        per_example = self._units.expand(weights)
         out: dict[str, Tensor] = {}
         try:
             for tap, call in self._calls:
@@ -138,12 +138,5 @@ class VmapEngine(GradEngine):
                     name = self._names[id(getattr(tap.module, local))]
                     out[name] = out[name] + value if name in out else value
         finally:
-            self._calls = []
+            self._calls, self._units = [], None
         return out
-
-
-def _grouped(grad: Tensor, units: int, group: int) -> Tensor:
-    """(B, *shape) per-example gradients → (U, *shape) sums over each clipping unit."""
-    if group == 1:
-        return grad
-    return pad_batch(grad, units * group).reshape(units, group, *grad.shape[1:]).sum(1)

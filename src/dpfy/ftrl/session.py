@@ -1,0 +1,197 @@
+"""``make_private_ftrl``: a private DP-FTRL run, returned as the same :class:`PrivateTraining`.
+
+What differs from DP-SGD (guide §4.3, tab. 3; Kairouz et al. 2021): batches are taken in order
+(shuffled or fixed) with no sampling assumption; the noise is tree aggregation over the prefix
+sums of clipped gradient sums; the run is accounted under zero-out adjacency (an example is
+replaced by a null one, keeping the stream's order) as one Gaussian per tree node that can hold an
+example's gradient; and σ for a target ε is calibrated on exactly those events.
+``dpfy.make_private(..., algorithm="dp-ftrl")`` lands here with the default tree settings.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dpfy._validate import check_count, check_delta, check_positive
+from dpfy.accounting.calibrate import smallest_noise_multiplier
+from dpfy.accounting.events import NeighbouringRelation
+from dpfy.checks import check_model
+from dpfy.data.loader import DPDataLoader, dataset_size_of
+from dpfy.data.records import SamplingKind
+from dpfy.data.sampling import check_batch_size
+from dpfy.ftrl.accounting import ftrl_step_events, resolve_restart
+from dpfy.ftrl.optim import DPFTRLOptimizer, check_sgd
+from dpfy.ftrl.sampler import OrderedSampler, parse_order
+from dpfy.grads import EngineChoice, LossReduction, make_engine
+from dpfy.ledger import PrivacyLedger
+from dpfy.noise import SecureNoise, TorchNoise
+from dpfy.optim import BatchBoundary, NoiseSettings
+from dpfy.session import PrivateTraining, _check_optimizer_params
+from dpfy.settings import PrivacySettings
+from dpfy.virtual import VirtualBatchLoader
+
+ALGORITHM = "dp-ftrl"
+#: Tree aggregation keeps the stream's order: an example is replaced by a null one (App. D).
+RELATION = NeighbouringRelation.ZERO_OUT
+
+
+def make_private_ftrl(
+    model: nn.Module,
+    optimizer: torch.optim.SGD,
+    train_dataset: Dataset,
+    *,
+    batch_size: int,
+    delta: float,
+    max_grad_norm: float,
+    epochs: float | None = None,
+    steps: int | None = None,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    sampler: SamplingKind | str | None = "shuffle",
+    restart_every: int | str | None = "epoch",
+    tree: str = "efficient",
+    loss_reduction: LossReduction = "mean",
+    engine: EngineChoice = "auto",
+    accountant: str = "pld",
+    microbatch_size: int | None = None,
+    max_physical_batch_size: int | None = None,
+    secure_noise: bool = False,
+    seed: int | None = None,
+    batch_first: bool = True,
+) -> PrivateTraining:
+    """Make ``model`` + an SGD ``optimizer`` train with DP-FTRL on ``train_dataset``.
+
+    ``batch_size`` B is fixed; an epoch is N // B steps (``epochs=E`` gives ⌈E·(N//B)⌉ steps).
+    ``sampler``: "shuffle" (a fresh permutation per epoch) or "fixed-order". ``restart_every``:
+    "epoch" or a divisor of N // B. ``tree``: "efficient" (Honaker) or "plain". Give exactly one
+    of ``target_epsilon`` (σ is calibrated and the budget guard stops there) and
+    ``noise_multiplier``.
+    """
+    check_model(model)
+    delta = check_delta(delta)
+    max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    dataset_size = dataset_size_of(train_dataset)
+    batch_size = check_batch_size(dataset_size, batch_size)
+    kind = parse_order(sampler)
+    _check_optimizer_params(model, optimizer)
+    check_sgd(optimizer)
+    per_epoch = dataset_size // batch_size
+    k = resolve_restart(restart_every, per_epoch)
+    total_steps = _ftrl_steps(epochs, steps, per_epoch)
+    if delta >= 1 / dataset_size:
+        warnings.warn(
+            f"δ = {delta:g} is not below 1/N = {1 / dataset_size:g}; choose δ ≪ 1/N (guide §2.1)",
+            UserWarning,
+            stacklevel=2,
+        )
+    sigma = _sigma(target_epsilon, noise_multiplier, delta, total_steps, per_epoch, k, accountant)
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    order = OrderedSampler(
+        dataset_size,
+        batch_size,
+        total_steps,
+        generator,
+        shuffle=kind is SamplingKind.TREE_SHUFFLE,
+    )
+    loader = DPDataLoader(train_dataset, batch_size, steps=total_steps, sampler=order)
+    ledger = PrivacyLedger(
+        delta, accountant=accountant, target_epsilon=target_epsilon, relation=RELATION
+    )
+    grad_engine = make_engine(model, engine, batch_first=batch_first)
+    settings = NoiseSettings(sigma, max_grad_norm, batch_size, microbatch_size)
+    noise = SecureNoise() if secure_noise else TorchNoise(seed=None if seed is None else seed + 1)
+    boundary = BatchBoundary()
+    private_optimizer = DPFTRLOptimizer(
+        optimizer,
+        grad_engine,
+        ledger,
+        loader.sampling_record,
+        settings,
+        restart_every=k,
+        tree=tree,
+        loss_reduction=loss_reduction,
+        noise=noise,
+        boundary=boundary,
+    )
+    run_loader: DPDataLoader | VirtualBatchLoader = loader
+    if max_physical_batch_size is not None:
+        run_loader = VirtualBatchLoader(loader, max_physical_batch_size, boundary)
+    privacy = PrivacySettings(
+        dataset_size=dataset_size,
+        expected_batch_size=batch_size,
+        sampling_rate=loader.sampling_record.sampling_rate,
+        steps=total_steps,
+        noise_multiplier=sigma,
+        max_grad_norm=max_grad_norm,
+        delta=delta,
+        target_epsilon=target_epsilon,
+        accountant=accountant,
+        sampler=kind.value,
+        microbatch_size=microbatch_size,
+        loss_reduction=loss_reduction,
+    )
+    return PrivateTraining(
+        model, private_optimizer, run_loader, ledger, grad_engine, privacy, noise
+    )
+
+
+def _ftrl_steps(epochs: float | None, steps: int | None, per_epoch: int) -> int:
+    """Total steps from exactly one of epochs (⌈E·(N//B)⌉: an epoch is N//B batches) and steps."""
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of epochs= or steps=")
+    if steps is not None:
+        return check_count("steps", steps, minimum=1)
+    return max(1, math.ceil(check_positive("epochs", epochs) * per_epoch))
+
+
+def _sigma(
+    target_epsilon: float | None,
+    noise_multiplier: float | None,
+    delta: float,
+    steps: int,
+    per_epoch: int,
+    restart_every: int,
+    accountant: str,
+) -> float:
+    """σ as given, or the smallest σ whose tree events (as the ledger will compose them) fit."""
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError(
+            "give exactly one of target_epsilon= (σ is calibrated) or noise_multiplier="
+        )
+    if noise_multiplier is not None:
+        return check_positive("noise_multiplier", noise_multiplier)
+    return smallest_noise_multiplier(
+        lambda sigma: ftrl_step_events(sigma, steps, per_epoch, restart_every),
+        check_positive("target_epsilon", target_epsilon),
+        delta,
+        accountant=accountant,
+        relation=RELATION,
+    )
+
+
+_NOT_FOR_FTRL = ("distributed", "user_ids", "max_examples_per_user")
+
+
+def from_make_private(arguments: dict[str, Any]) -> PrivateTraining:
+    """``make_private(..., algorithm="dp-ftrl")``: its arguments, checked, to make_private_ftrl."""
+    unsupported = [name for name in _NOT_FOR_FTRL if arguments.get(name) is not None]
+    if unsupported:
+        raise ValueError(
+            f"{', '.join(unsupported)} not supported with algorithm='dp-ftrl' (dpfy's DP-FTRL is "
+            "example-level, in one process); leave them at their defaults"
+        )
+    skip = ("algorithm", *_NOT_FOR_FTRL)
+    kwargs = {k: v for k, v in arguments.items() if k not in skip}
+    if kwargs.get("sampler") is None:
+        kwargs["sampler"] = "shuffle"
+    return make_private_ftrl(**kwargs)
