@@ -10,6 +10,8 @@ accuracies, the chosen C, training ε, tuning ε and their total.
     .venv/bin/python benchmarks/tuning_fashion_mnist.py                       # random-trials
     .venv/bin/python benchmarks/tuning_fashion_mnist.py --accounting public  # zero noise
     .venv/bin/python benchmarks/tuning_fashion_mnist.py --limit 10000 --epochs 2   # quicker
+    .venv/bin/python benchmarks/tuning_fashion_mnist.py --accounting compose --optimizer sgd \
+        --lr 0.01 --clip-grid 1,3,10
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--lr", type=float, default=0.001)
+    parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--limit", type=int, default=None, help="examples per split (quicker)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
@@ -54,6 +57,7 @@ def _markdown(summary: dict, seconds: float) -> str:
     rows = [
         ("dataset", f"{summary['config']['dataset']} ({summary['private_training_examples']} "
                     f"private training examples, {summary['test_examples']} test)"),
+        ("optimizer", f"{summary['config']['optimizer']}, lr {summary['config']['lr']:g}"),
         ("tuning", f"ClipSearch over C ∈ {summary['config']['clip_grid']}, accounted by "
                    f"{tuning['accounting']['method']}; {tuning['trials_run']} trial(s) run"),
         ("chosen C", "none (K = 0)" if chosen is None else f"{chosen['max_grad_norm']:g}"),
@@ -77,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         distribution=args.distribution, clip_grid=parse_grid(args.clip_grid),
         tolerance=args.tolerance, target_epsilon=args.target_epsilon, epochs=args.epochs,
         trial_epochs=args.trial_epochs, batch_size=args.batch_size, model=args.model, lr=args.lr,
+        optimizer=args.optimizer,
         limit=args.limit, seed=args.seed,
         public_data=public if args.accounting == "public" else None,
         out=args.out or Path("runs") / f"tune-fashion-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = result.summary
     RESULTS.mkdir(exist_ok=True)
     suffix = "" if args.accounting == "random-trials" else f"_{args.accounting}"
+    suffix += "" if args.optimizer == "adam" else f"_{args.optimizer}"
     (RESULTS / f"tuning_fashion_mnist{suffix}.json").write_text(
         json.dumps({**summary, "command": " ".join(sys.argv)}, indent=2, default=str)
     )

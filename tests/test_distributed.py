@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -384,6 +387,24 @@ def test_a_silent_rank_is_given_up_after_the_process_group_timeout(tmp_path):
     result = torch.load(tmp_path / "hang.pt", weights_only=True)
     assert "another rank stopped" in result["message"]
     assert HANG_TIMEOUT - 0.5 < result["seconds"] < HANG_TIMEOUT + 10
+
+
+@pytest.mark.slow
+def test_torchrun_dpfy_train_writes_one_run_from_rank_0(tmp_path):
+    """`torchrun --nproc-per-node 2 -m dpfy train`: both ranks train, rank 0 writes and prints."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "dpfy", "train", "--epochs", "1", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "report.json").exists() and (out / "model.pt").exists()
+    assert done.stdout.count("test accuracy (DP)") == 1  # rank 0 alone prints the summary
+    history = json.loads((out / "history.json").read_text())
+    assert history[-1]["epsilon"] <= 3.0
 
 
 # ------------------------------------------------------------------------- one process

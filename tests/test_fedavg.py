@@ -383,6 +383,8 @@ def test_dpfy_federated_writes_a_user_level_report(tmp_path):
     assert facts["accounting"]["summary"]["epsilon"]["total"] <= 6.0
     card = json.loads((out / "report.json").read_text())
     assert card["unit_of_privacy"]["unit"] == "user"
+    assert "trusted aggregator" in card["dp_setting"]["statement"]
+    assert "DP-FedAvg" in card["unit_of_privacy"]["statement"]
     assert "one user (all of that user's examples)" in card["neighbouring_relation"]["statement"]
     assert "model change after local training" in card["assumptions"]["clipping"]["statement"]
     assert "every user joined each step" in card["assumptions"]["sampling"]["statement"]

@@ -232,3 +232,28 @@ def test_planner_keeps_the_ratio_meets_epsilon_and_warns() -> None:
             plan_at_fixed_ratio(0.002, 1.0, 60_000, 3.0, 1e-5, epochs=(1,), batch_sizes=(256,))
     with pytest.raises(ValueError, match="epochs grid is empty"):
         plan_at_fixed_ratio(0.002, 1.0, 60_000, 3.0, 1e-5, epochs=())
+
+
+def test_trials_that_cannot_tell_the_clip_norms_apart_are_flagged() -> None:
+    search = clip_search()
+    base = search.candidates()[0]
+    same = [TrialResult(base.with_(max_grad_norm=c), 50, N_VALID, None) for c in (0.1, 1.0)]
+    assert search.summarise(same).indistinct
+    apart = [
+        TrialResult(base.with_(max_grad_norm=0.1), 50, N_VALID, None),
+        TrialResult(base.with_(max_grad_norm=1.0), 90, N_VALID, None),
+    ]
+    assert not search.summarise(apart).indistinct
+
+
+def test_trials_near_chance_are_noted() -> None:
+    from dpfy.tuning.pipeline import _check_informative
+
+    _, run = fake_runner({c: 0.15 for c in ACCURACY})
+    outcome = Tuner(clip_search(), "compose", runner=run).run(DATA, 1e-4)
+    _check_informative(outcome, num_classes=10)
+    assert any("twice chance" in note for note in outcome.notes)
+    _, run = fake_runner(ACCURACY)
+    outcome = Tuner(clip_search(), "compose", runner=run).run(DATA, 1e-4)
+    _check_informative(outcome, num_classes=10)
+    assert not outcome.notes

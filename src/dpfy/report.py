@@ -123,33 +123,40 @@ def _paragraph(data: dict[str, Any]) -> list[str]:
 @section("dp_setting", "1. DP setting", _paragraph)
 def _dp_setting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
     """Central DP with a trusted curator: dpfy's trainer sees the raw data (guide §3.1)."""
-    return {
-        "model": "central",
-        "curator": "trusted",
-        "statement": (
-            "Central differential privacy with a trusted curator: the training process sees the "
-            "raw private data, and only its outputs are protected. Protection covers features "
-            "and labels (full-training DP via DP-SGD, guide §3.1–§3.2)."
-        ),
-    }
+    statement = (
+        "Central differential privacy with a trusted curator: the training process sees the "
+        "raw private data, and only its outputs are protected. Protection covers features "
+        "and labels (full-training DP via DP-SGD, guide §3.1–§3.2)."
+    )
+    federated = _FEDERATED.get(facts.privacy.algorithm)
+    if federated is not None:  # dpfy.federated: the server is the trusted curator
+        statement = (
+            "Central differential privacy with a trusted aggregator: the server sees each "
+            "sampled user's model change in the clear, and only the noised global models are "
+            f"protected. Protection covers features and labels (full-training DP via {federated},"
+            " guide §3.1–§3.2, §4.4)."
+        )
+    return {"model": "central", "curator": "trusted", "statement": statement}
+
+
+_FEDERATED = {"dp-fedavg": "DP-FedAvg", "dp-fedsgd": "DP-FedSGD"}
 
 
 @section("released", "2. What is released", _paragraph)
 def _released(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
     """What leaves the curator; everything computed from DP outputs is post-processing (§2.2)."""
     outputs = facts.training.released
-    return {
-        "outputs": outputs,
-        "statement": (
-            f"Released: {RELEASES[outputs]}. Released models are computed only from their "
-            "public initialisation and the noised gradients, so they are post-processing of the "
-            "DP outputs and carry the same guarantee (guide §2.2); the ε below covers all "
-            f"{facts.training.steps_taken} noised gradient steps."
-        ),
-    }
-
-
-_FEDERATED = {"dp-fedavg": "DP-FedAvg", "dp-fedsgd": "DP-FedSGD"}
+    statement = (
+        f"Released: {RELEASES[outputs]}. Released models are computed only from their "
+        "public initialisation and the noised gradients, so they are post-processing of the "
+        "DP outputs and carry the same guarantee (guide §2.2); the ε below covers all "
+        f"{facts.training.steps_taken} noised gradient steps."
+    )
+    if facts.privacy.algorithm in _FEDERATED:  # rounds of noised averages of model changes
+        statement = statement.replace(
+            "the noised gradients", "the noised averages of clipped user model changes"
+        ).replace("noised gradient steps", "noised rounds")
+    return {"outputs": outputs, "statement": statement}
 
 
 @section("unit_of_privacy", "3. Unit of privacy", _paragraph)

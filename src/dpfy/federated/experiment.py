@@ -93,9 +93,14 @@ def run_federated(config: FederatedConfig, console: Console | None = None) -> Fe
         f"q = {trainer.sampling_rate:.4f} ({config.clients_per_round} of {config.users} users "
         f"per round), {config.rounds} rounds"
     )
-    outcome = simulate(
-        trainer, config.rounds, evaluate=lambda m: accuracy(m, data.test), console=console
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many tiny local batches: extra intra-op threads only contend
+    try:
+        outcome = simulate(
+            trainer, config.rounds, evaluate=lambda m: accuracy(m, data.test), console=console
+        )
+    finally:
+        torch.set_num_threads(threads)
     if outcome.stopped:
         console.print(f"[yellow]stopped early:[/] {outcome.stopped}")
     test_accuracy = accuracy(model, data.test)

@@ -34,6 +34,12 @@ class ClipChoice:
     norm_quantiles: dict[str, float]
     rule_choice: float | None = None  # what the search's own rule picks, if the tuner chose else
 
+    @property
+    def indistinct(self) -> bool:
+        """Whether every C tried is within the tolerance of the best: the trials did not tell
+        the clip norms apart (too short or too noisy), so the rule just takes the smallest."""
+        return min(self.accuracy_by_clip.values()) >= (1 - self.tolerance) * self.best_accuracy
+
     def statement(self) -> str:
         """One sentence: what was chosen and by which rule."""
         if self.rule_choice is not None and self.rule_choice != self.max_grad_norm:

@@ -195,11 +195,65 @@ class TuneSummary:
     files: dict[str, Path] = field(default_factory=dict)
 
 
+def _pictures(
+    search: Search,
+    outcome: TuningOutcome,
+    config: TuneConfig,
+    chosen_clip: float,
+    sigma: float,
+    out: Path,
+    files: dict[str, Path],
+) -> dict[str, Any]:
+    """Draw the tuning PNGs into ``out`` (paths added to ``files``); return their JSON facts."""
+    from dpfy.tuning.plots import plot_clip_search, plot_grad_norms, plot_lr_clip_heatmap
+
+    norms = [r.norms for r in outcome.results if r.norms.size]
+    extra: dict[str, Any] = {}
+    if norms:
+        files["grad_norms_plot"] = plot_grad_norms(
+            np.concatenate(norms), chosen_clip, out / NORMS_PLOT,
+            default_clip=config.max_grad_norm,
+        )  # fmt: skip
+    picked = outcome.chosen.config.max_grad_norm if outcome.chosen else None
+    if isinstance(search, ClipSearch) and outcome.results:
+        clip = search.summarise(outcome.results, picked)
+        if clip.indistinct and len(clip.accuracy_by_clip) > 1:
+            outcome.notes.append(
+                "every clip norm tried scored within the tolerance of the best: the trials did "
+                "not tell them apart, so the smallest C was taken; lengthen --trial-epochs"
+            )
+        extra["clip_search"] = {
+            "statement": clip.statement(),
+            "accuracy_by_clip": {f"{c:g}": a for c, a in clip.accuracy_by_clip.items()},
+            "grad_norm_quantiles": clip.norm_quantiles,
+        }
+        files["clip_plot"] = plot_clip_search(
+            clip.accuracy_by_clip, picked, config.tolerance, out / CLIP_PLOT
+        )
+    if isinstance(search, LrClipSweep) and outcome.chosen is not None:
+        grid = search.grid(outcome.results, outcome.chosen)
+        extra["sweep"] = grid.to_dict()
+        files["heatmap"] = plot_lr_clip_heatmap(grid, out / HEATMAP_PLOT, noise_multiplier=sigma)
+    return extra
+
+
+def _check_informative(outcome: TuningOutcome, num_classes: int) -> None:
+    """Note trials whose best score is near chance: their choice is noise, not signal."""
+    if not outcome.results:
+        return
+    best = max(r.accuracy for r in outcome.results)
+    chance = 1.0 / num_classes
+    if best < 2 * chance:
+        outcome.notes.append(
+            f"the best trial scored {best:.3f}, under twice chance ({chance:.3f}): the trials "
+            "are too short or too noisy to choose between configurations; lengthen --trial-epochs"
+        )
+
+
 def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummary:
     """Tune, train the chosen configuration and the untuned default, write everything."""
     from dpfy.trainer import prepare_run_dir
     from dpfy.tuning.final import train_final
-    from dpfy.tuning.plots import plot_clip_search, plot_grad_norms, plot_lr_clip_heatmap
 
     console = console or Console()
     check_tune_config(config)
@@ -253,30 +307,10 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
             None, console, dataset_name=data.name,
         )  # fmt: skip
     files: dict[str, Path] = {"report": out / "final" / "report.md"}
-    norms = [r.norms for r in outcome.results if r.norms.size]
-    extra: dict[str, Any] = {}
-    if norms:
-        files["grad_norms_plot"] = plot_grad_norms(
-            np.concatenate(norms), chosen.max_grad_norm, out / NORMS_PLOT,
-            default_clip=config.max_grad_norm,
-        )  # fmt: skip
-    if isinstance(search, ClipSearch) and outcome.results:
-        clip = search.summarise(
-            outcome.results, outcome.chosen.config.max_grad_norm if outcome.chosen else None
-        )
-        extra["clip_search"] = {
-            "statement": clip.statement(),
-            "accuracy_by_clip": {f"{c:g}": a for c, a in clip.accuracy_by_clip.items()},
-            "grad_norm_quantiles": clip.norm_quantiles,
-        }
-        files["clip_plot"] = plot_clip_search(
-            clip.accuracy_by_clip, outcome.chosen.config.max_grad_norm if outcome.chosen else None,
-            config.tolerance, out / CLIP_PLOT,
-        )  # fmt: skip
-    if isinstance(search, LrClipSweep) and outcome.chosen is not None:
-        grid = search.grid(outcome.results, outcome.chosen)
-        extra["sweep"] = grid.to_dict()
-        files["heatmap"] = plot_lr_clip_heatmap(grid, out / HEATMAP_PLOT, noise_multiplier=sigma)
+    extra = _pictures(search, outcome, config, chosen.max_grad_norm, sigma, out, files)
+    _check_informative(outcome, data.num_classes)
+    for note in outcome.notes:
+        console.print(f"[yellow]note:[/] {note}")
     summary = {
         "config": json.loads(json.dumps(asdict(config), default=str)),
         "delta": delta,
