@@ -628,6 +628,9 @@ def test_report_states_that_no_sampling_assumption_was_used():
     assert "fixed order" in text
     assert card.sections["assumptions"]["all_met"]
     assert "Poisson" not in card.headline
+    assert "via DP-FTRL" in text and "via DP-SGD" not in text
+    assert "q (sampling rate)" not in text and "batch fraction" in text
+    assert "Poisson-sampling assumption" not in text
 
 
 def test_dpfy_train_refuses_dp_ftrl_settings_it_cannot_run():

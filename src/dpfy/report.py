@@ -27,8 +27,9 @@ strings "inf"/"nan" when unbounded, or null where not applicable)::
                       frozen_parameters: {tensors, values, names, statement},
                       clipping: {unit, microbatch_size, sensitivity_in_c, statement}}     §4.3
     epsilon:         {delta, accountant, training, tuning, tuning_statement, other,
-                      total, target_epsilon, assumptions_met, under_poisson_assumption,
-                      proven_total, statement}                                           §5.4.2
+                      total, target_epsilon, assumptions_met, under_poisson_assumption
+                      (null for DP-FTRL, which assumes no sampling), proven_total,
+                      statement}                                                         §5.4.2
     epsilon_table:   {rows: [{delta, pld, rdp}], notes: [str], statement}
     hyperparameters: {dataset_size, sampling_rate, expected_batch_size, noise_multiplier,
                       max_grad_norm, steps, epochs, optimizer, learning_rate,
@@ -123,10 +124,11 @@ def _paragraph(data: dict[str, Any]) -> list[str]:
 @section("dp_setting", "1. DP setting", _paragraph)
 def _dp_setting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
     """Central DP with a trusted curator: dpfy's trainer sees the raw data (guide §3.1)."""
+    algorithm = _ALGORITHMS.get(facts.privacy.algorithm, facts.privacy.algorithm)
     statement = (
         "Central differential privacy with a trusted curator: the training process sees the "
         "raw private data, and only its outputs are protected. Protection covers features "
-        "and labels (full-training DP via DP-SGD, guide §3.1–§3.2)."
+        f"and labels (full-training DP via {algorithm}, guide §3.1–§3.2)."
     )
     federated = _FEDERATED.get(facts.privacy.algorithm)
     if federated is not None:  # dpfy.federated: the server is the trusted curator
@@ -140,6 +142,8 @@ def _dp_setting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any
 
 
 _FEDERATED = {"dp-fedavg": "DP-FedAvg", "dp-fedsgd": "DP-FedSGD"}
+_CLIPPED = dict.fromkeys(_FEDERATED, "user model changes")
+_ALGORITHMS = {"dp-sgd": "DP-SGD", "dp-ftrl": "DP-FTRL (Kairouz et al. 2021)", **_FEDERATED}
 
 
 @section("released", "2. What is released", _paragraph)
@@ -228,7 +232,7 @@ def _render_accounting(data: dict[str, Any]) -> list[str]:
     keys = [
         ("accountant", "accountant"),
         ("delta", "δ"),
-        ("sampling_rate", "q (sampling rate)"),
+        ("sampling_rate", _rate_label(data["sampler"])),
         ("noise_multiplier", "σ (noise multiplier)"),
         ("max_grad_norm", "C (clip norm)"),
         ("sensitivity", "sensitivity"),
@@ -242,6 +246,15 @@ def _render_accounting(data: dict[str, Any]) -> list[str]:
     lines += [f"- {label}: {_num(data[key])}" for key, label in keys]
     lines.append(f"- sampling as recorded: {data['sampler_description']}")
     return lines
+
+
+def _rate_label(sampler: str) -> str:
+    """B/N is a sampling rate q, except for DP-FTRL, which samples nothing."""
+    return (
+        "B/N (batch fraction; nothing is sampled)"
+        if sampler in _TREE_SAMPLERS
+        else ("q (sampling rate)")
+    )
 
 
 @section("accounting", "5. Accounting method and parameters", _render_accounting)
@@ -274,7 +287,8 @@ def _accounting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any
             f"Accounted with the {names.get(accountant, accountant)} accountant over every "
             f"recorded step: each step is the subsampled Gaussian mechanism with noise multiplier "
             f"σ = {p.noise_multiplier:.6g} (noise std σ·sensitivity on the sum of clipped "
-            "gradients, decoupled from C, guide §4.2) at sampling rate q = "
+            f"{_CLIPPED.get(p.algorithm, 'gradients')}, decoupled from C, guide §4.2) at "
+            "sampling rate q = "
             f"{p.sampling_rate:.6g}."
         ),
     }
@@ -441,14 +455,15 @@ def _render_epsilon(data: dict[str, Any]) -> list[str]:
     lines.append(
         f"- **total: ε = {_eps(data['total'])} at δ = {delta:g}** ({data['accountant']}){caveat}"
     )
-    lines.append(
-        f"- ε under the Poisson-sampling assumption: {_eps(data['under_poisson_assumption'])}"
-    )
-    proven = data["proven_total"]
-    lines.append(
-        "- ε proven for the sampling actually used: "
-        + (_eps(proven) if proven is not None else "not known (shuffled batches, guide §4.3)")
-    )
+    if data["under_poisson_assumption"] is not None:  # None: DP-FTRL assumes no sampling
+        lines.append(
+            f"- ε under the Poisson-sampling assumption: {_eps(data['under_poisson_assumption'])}"
+        )
+        proven = data["proven_total"]
+        lines.append(
+            "- ε proven for the sampling actually used: "
+            + (_eps(proven) if proven is not None else "not known (shuffled batches, guide §4.3)")
+        )
     if data["target_epsilon"] is not None:
         lines.append(f"- target ε (budget guard): {_eps(data['target_epsilon'])}")
     return lines
@@ -483,7 +498,9 @@ def _epsilon(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
         "total": total,
         "target_epsilon": summary["target_epsilon"],
         "assumptions_met": met,
-        "under_poisson_assumption": facts.accounting.epsilon_under_poisson_assumption,
+        "under_poisson_assumption": None
+        if facts.privacy.sampler in _TREE_SAMPLERS
+        else facts.accounting.epsilon_under_poisson_assumption,
         "proven_total": total if met else None,
         "statement": statement,
     }

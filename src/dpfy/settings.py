@@ -27,8 +27,9 @@ class PrivacySettings:
     unit: str = "example"
     examples: int | None = None
     max_examples_per_user: int | None = None
-    #: What was clipped per unit: "dp-sgd" (gradients) or "dp-fedavg" / "dp-fedsgd" (each
-    #: sampled user's model change after local training, dpfy.federated; guide alg. 2).
+    #: The training algorithm: "dp-sgd", "dp-ftrl" (tree-aggregated noise, dpfy.ftrl) or
+    #: "dp-fedavg" / "dp-fedsgd" (each sampled user's model change after local training is what
+    #: is clipped, dpfy.federated; guide alg. 2).
     algorithm: str = "dp-sgd"
 
     @property

@@ -139,6 +139,7 @@ def make_private_ftrl(
         sampler=kind.value,
         microbatch_size=microbatch_size,
         loss_reduction=loss_reduction,
+        algorithm="dp-ftrl",
     )
     return PrivateTraining(
         model, private_optimizer, run_loader, ledger, grad_engine, privacy, noise
