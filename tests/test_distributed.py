@@ -72,7 +72,7 @@ class ZeroGradientModel(nn.Module):
 
 def private_run(config: str, **overrides: Any) -> dpfy.PrivateTraining:
     engine, physical, batch, steps = CONFIGS[config]
-    model = mlp()
+    model = overrides.pop("model") if "model" in overrides else mlp()
     arguments: dict[str, Any] = dict(
         batch_size=batch, steps=steps, noise_multiplier=SIGMA, delta=1e-5,
         max_grad_norm=CLIP, seed=7, engine=engine, max_physical_batch_size=physical,
@@ -151,9 +151,10 @@ def _refusals(rank: int) -> dict[str, str]:
         "dataset_size": {"data": dataset(121 if rank == 1 else 120)},
         "sampling_rate": {"batch_size": 25 if rank == 1 else 24},
     }
+    model = mlp()
     for name, overrides in cases.items():
         try:
-            private_run("fast", **overrides)
+            private_run("fast", model=model, **overrides)
             messages[name] = "not refused"
         except RankMismatch as err:
             messages[name] = str(err)
@@ -447,3 +448,30 @@ def test_distributed_true_without_a_process_group_is_refused():
     assert isinstance(replicas_for(None, mlp()), SingleProcess)
     with pytest.raises(ValueError, match="None, True or False"):
         replicas_for("yes", mlp())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "route",
+    [{"user_ids": torch.arange(120) % 10}, {"algorithm": "dp-ftrl"}],
+    ids=["user-level", "dp-ftrl"],
+)
+def test_one_process_routes_refuse_a_running_process_group(monkeypatch, route):
+    # Under torchrun these would silently train one private model per rank: W unaccounted runs.
+    import dpfy.session
+
+    group = object.__new__(dpfy.session.ProcessGroupReplicas)  # stands for a live 2-rank group
+    monkeypatch.setattr(dpfy.session, "current_replicas", lambda: group)
+    model = mlp()
+    kwargs = {"batch_size": 10, "delta": 1e-5, "max_grad_norm": 1.0, "steps": 2}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="one process only"):
+        dpfy.make_private(model, optimizer, dataset(), noise_multiplier=1.0, **kwargs, **route)
+    with pytest.raises(ValueError, match="one process only"):  # explicit, even with no group
+        monkeypatch.undo()
+        dpfy.make_private(
+            model, optimizer, dataset(), noise_multiplier=1.0, distributed=True, **kwargs, **route
+        )
+    private = dpfy.make_private(  # distributed=False: the user asks for a run per rank
+        model, optimizer, dataset(), noise_multiplier=1.0, distributed=False, **kwargs, **route
+    )
+    assert private.settings.steps == 2

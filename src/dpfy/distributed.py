@@ -90,8 +90,12 @@ class LocalAggregator:
     def privatise(
         self, sums: dict[str, Tensor], std: float, noise: NoiseSource
     ) -> dict[str, Tensor]:
-        """Sum + N(0, std²) per coordinate."""
-        return {name: total + noise.normal(total, std) for name, total in sums.items()}
+        """Sum + N(0, std²) per coordinate, added in place: the engine's sums become the result.
+
+        In place so a step holds one parameter-sized buffer per parameter, not two; the engine
+        is reset right after the update, so nothing reads the consumed sums.
+        """
+        return {name: total.add_(noise.normal(total, std)) for name, total in sums.items()}
 
     def skip(self) -> None:
         """Nothing to keep in step with."""

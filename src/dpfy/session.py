@@ -29,7 +29,13 @@ from dpfy.checks import check_model
 from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import check_batch_size
-from dpfy.distributed import ProcessGroupReplicas, SingleProcess, replicas_for, trainable_shapes
+from dpfy.distributed import (
+    ProcessGroupReplicas,
+    SingleProcess,
+    current_replicas,
+    replicas_for,
+    trainable_shapes,
+)
 from dpfy.grads import EngineChoice, GradEngine, LossReduction, make_engine
 from dpfy.ledger import PrivacyLedger
 from dpfy.noise import SecureNoise, TorchNoise
@@ -222,9 +228,11 @@ def make_private(
     Poisson for DP-SGD.
     """
     if algorithm != "dp-sgd":
+        _refuse_process_group(f"algorithm={algorithm!r}", distributed)
         return _other_algorithm(locals())
     sampler = SamplingKind.POISSON if sampler is None else sampler
     if user_ids is not None or max_examples_per_user is not None:
+        _refuse_process_group("user-level DP-SGD (user_ids)", distributed)
         return _user_level(locals())
     replicas = replicas_for(distributed, model)
     check_model(model)
@@ -295,11 +303,32 @@ def make_private(
         microbatch_size=microbatch_size,
         loss_reduction=loss_reduction,
     )
-    replicas.check_agreement({**asdict(privacy), "parameters": trainable_shapes(model)})
-    replicas.broadcast_model(model)
+    try:  # every rank must agree before training; a refused model is left without hooks
+        replicas.check_agreement({**asdict(privacy), "parameters": trainable_shapes(model)})
+        replicas.broadcast_model(model)
+    except Exception:
+        grad_engine.detach()
+        raise
     return PrivateTraining(
         model, private_optimizer, run_loader, ledger, grad_engine, privacy, noise, replicas
     )
+
+
+def _refuse_process_group(route: str, distributed: bool | None) -> None:
+    """One-process-only routes must not run silently on every rank of a process group.
+
+    Each rank would train its own private model on the whole dataset, W releases that no single
+    ledger accounts. ``distributed=False`` says the user wants exactly that, rank by rank.
+    """
+    if distributed is False:
+        return
+    if distributed or isinstance(current_replicas(), ProcessGroupReplicas):
+        raise ValueError(
+            f"{route} runs in one process only, but a torch.distributed process group of more "
+            "than one rank is running (or distributed=True was passed): every rank would train "
+            "its own private model. Run it in a single process, or pass distributed=False if "
+            "each rank should train (and account) its own run independently"
+        )
 
 
 def _other_algorithm(arguments: dict[str, Any]) -> PrivateTraining:
@@ -328,6 +357,7 @@ def _user_level(arguments: dict[str, Any]) -> PrivateTraining:
         if name not in accepted
         and value != defaults[name].default
         and not (name == "sampler" and poisson)
+        and not (name == "distributed" and value is False)  # one run per rank, by request
     ]
     if unsupported:
         raise ValueError(

@@ -185,7 +185,11 @@ _NOT_FOR_FTRL = ("distributed", "user_ids", "max_examples_per_user")
 
 def from_make_private(arguments: dict[str, Any]) -> PrivateTraining:
     """``make_private(..., algorithm="dp-ftrl")``: its arguments, checked, to make_private_ftrl."""
-    unsupported = [name for name in _NOT_FOR_FTRL if arguments.get(name) is not None]
+    unsupported = [
+        name
+        for name in _NOT_FOR_FTRL
+        if arguments.get(name) is not None and not (name == "distributed" and not arguments[name])
+    ]  # distributed=False (one run per rank, each accounted on its own) is fine
     if unsupported:
         raise ValueError(
             f"{', '.join(unsupported)} not supported with algorithm='dp-ftrl' (dpfy's DP-FTRL is "
