@@ -235,27 +235,14 @@ def make_private(
         _refuse_process_group("user-level DP-SGD (user_ids)", distributed)
         return _user_level(locals())
     replicas = replicas_for(distributed, model)
-    check_model(model)
-    delta = check_delta(delta)
-    max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    delta, max_grad_norm = check_common(model, optimizer, delta, max_grad_norm)
     dataset_size = dataset_size_of(train_dataset)
     batch_size = check_batch_size(dataset_size, batch_size)
     total_steps = _resolve_steps(epochs, steps, dataset_size, batch_size)
-    _check_optimizer_params(model, optimizer)
-    if delta >= 1 / dataset_size:
-        warnings.warn(
-            f"δ = {delta:g} is not below 1/N = {1 / dataset_size:g}: a mechanism that publishes "
-            "one random example outright would satisfy it (guide §2.1); choose δ ≪ 1/N",
-            UserWarning,
-            stacklevel=2,
-        )
+    warn_if_delta_too_large(delta, dataset_size)
     kind = SamplingKind.parse(sampler)
     relation, accountant = _accounting_for(kind, accountant)
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(replicas.sampling_seed(seed))
+    generator = seeded_generator(None if seed is None else replicas.sampling_seed(seed))
     loader = DPDataLoader(
         train_dataset,
         batch_size,
@@ -272,8 +259,7 @@ def make_private(
     )
     grad_engine = make_engine(model, engine, batch_first=batch_first)
     settings = NoiseSettings(sigma, max_grad_norm, batch_size, microbatch_size)
-    noise_seed = None if seed is None else replicas.noise_seed(seed)
-    noise = SecureNoise() if secure_noise else TorchNoise(seed=noise_seed)
+    noise = noise_source(secure_noise, None if seed is None else replicas.noise_seed(seed))
     boundary = BatchBoundary()
     private_optimizer = DPOptimizer(
         optimizer,
@@ -286,9 +272,7 @@ def make_private(
         boundary=boundary,
         aggregator=replicas.aggregator(),
     )
-    run_loader: DPDataLoader | VirtualBatchLoader = loader
-    if max_physical_batch_size is not None:
-        run_loader = VirtualBatchLoader(loader, max_physical_batch_size, boundary)
+    run_loader = with_virtual_batches(loader, max_physical_batch_size, boundary)
     privacy = PrivacySettings(
         dataset_size=dataset_size,
         expected_batch_size=batch_size,
@@ -312,6 +296,59 @@ def make_private(
     return PrivateTraining(
         model, private_optimizer, run_loader, ledger, grad_engine, privacy, noise, replicas
     )
+
+
+# -- steps every builder shares (DP-SGD here, user level in dpfy.user_level, DP-FTRL in dpfy.ftrl)
+
+
+def check_common(
+    model: nn.Module, optimizer: torch.optim.Optimizer, delta: float, max_grad_norm: float
+) -> tuple[float, float]:
+    """Refuse what no private run can use: batch-coupled layers, a bad δ or C, a stray optimizer.
+
+    Returns δ and C, checked.
+    """
+    check_model(model)
+    delta = check_delta(delta)
+    max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    _check_optimizer_params(model, optimizer)
+    return delta, max_grad_norm
+
+
+def warn_if_delta_too_large(delta: float, records: int, record: str = "example") -> None:
+    """δ must be ≪ 1/N: publishing one random record outright satisfies δ = 1/N (guide §2.1)."""
+    if delta >= 1 / records:
+        n = "N" if record == "example" else f"N_{record}s"
+        warnings.warn(
+            f"δ = {delta:g} is not below 1/{n} = {1 / records:g}: a mechanism that publishes one "
+            f"random {record}'s data outright would satisfy it (guide §2.1); choose δ ≪ 1/{n}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """The sampling generator: OS-seeded in production, seeded only for experiments."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def noise_source(secure: bool, seed: int | None) -> SecureNoise | TorchNoise:
+    """The OS CSPRNG when asked, else a torch generator (OS-seeded unless ``seed`` is given)."""
+    return SecureNoise() if secure else TorchNoise(seed=seed)
+
+
+def with_virtual_batches(
+    loader: DPDataLoader, max_physical_batch_size: int | None, boundary: BatchBoundary
+) -> DPDataLoader | VirtualBatchLoader:
+    """The loader, or chunks of at most ``max_physical_batch_size`` of each logical batch."""
+    if max_physical_batch_size is None:
+        return loader
+    return VirtualBatchLoader(loader, max_physical_batch_size, boundary)
 
 
 def _refuse_process_group(route: str, distributed: bool | None) -> None:

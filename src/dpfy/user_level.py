@@ -25,7 +25,6 @@ same ledger, accountants and budget guard as example-level DP-SGD; the run's ε 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dpfy._validate import check_count, check_delta, check_positive
-from dpfy.checks import check_model
 from dpfy.data.loader import dataset_size_of
 from dpfy.data.records import SamplingKind
 from dpfy.data.user_sampling import (
@@ -44,14 +42,16 @@ from dpfy.data.user_sampling import (
 )
 from dpfy.grads import ClipResult, EngineChoice, LossReduction, make_engine
 from dpfy.ledger import PrivacyLedger
-from dpfy.noise import SecureNoise, TorchNoise
 from dpfy.optim import BatchBoundary, DPOptimizer, NoiseSettings
 from dpfy.session import (
     PrivateTraining,
     _accounting_for,
-    _check_optimizer_params,
     _noise_multiplier,
     _resolve_steps,
+    check_common,
+    noise_source,
+    seeded_generator,
+    warn_if_delta_too_large,
 )
 from dpfy.settings import PrivacySettings
 
@@ -102,18 +102,6 @@ class UserDPOptimizer(DPOptimizer):
         )
 
 
-def _warn_large_delta(delta: float, num_users: int) -> None:
-    """δ must be ≪ 1/N_users: the record that could be published outright is a whole user."""
-    if delta >= 1 / num_users:
-        warnings.warn(
-            f"δ = {delta:g} is not below 1/N_users = {1 / num_users:g}: a mechanism that "
-            "publishes one random user's data outright would satisfy it (guide §2.1); choose "
-            "δ ≪ 1/N_users",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
 def make_user_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -143,25 +131,18 @@ def make_user_private(
     examples one sampled user contributes to a step (drawn uniformly; None: all of them). The
     other arguments are those of :func:`dpfy.make_private`; ε, δ and the budget are user-level.
     """
-    check_model(model)
-    delta = check_delta(delta)
-    max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    delta, max_grad_norm = check_common(model, optimizer, delta, max_grad_norm)
     ids = check_user_ids(user_ids, dataset_size_of(train_dataset))
     num_users = int(ids.max()) + 1
     if max_examples_per_user is not None:
         max_examples_per_user = check_count(
             "max_examples_per_user", max_examples_per_user, minimum=1
         )
-    _check_optimizer_params(model, optimizer)
-    _warn_large_delta(delta, num_users)
+    warn_if_delta_too_large(delta, num_users, "user")
     user_sampling_rate(num_users, batch_size)  # refuses B_users outside [1, N_users]
     total_steps = _resolve_steps(epochs, steps, num_users, batch_size)
     relation, accountant = _accounting_for(SamplingKind.POISSON, accountant)
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator = seeded_generator(seed)
     groups = UserGroups()
     loader = UserDataLoader(
         train_dataset,
@@ -180,7 +161,7 @@ def make_user_private(
         delta, accountant=accountant, target_epsilon=target_epsilon, relation=relation
     )
     grad_engine = make_engine(model, engine, batch_first=batch_first)
-    noise = SecureNoise() if secure_noise else TorchNoise(seed=None if seed is None else seed + 1)
+    noise = noise_source(secure_noise, None if seed is None else seed + 1)
     private_optimizer = UserDPOptimizer(
         optimizer,
         grad_engine,

@@ -11,17 +11,15 @@ example's gradient; and σ for a target ε is calibrated on exactly those events
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from dpfy._validate import check_count, check_delta, check_positive
+from dpfy._validate import check_count, check_positive
 from dpfy.accounting.calibrate import smallest_noise_multiplier
 from dpfy.accounting.events import NeighbouringRelation
-from dpfy.checks import check_model
 from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.records import SamplingKind
 from dpfy.data.sampling import check_batch_size
@@ -30,11 +28,16 @@ from dpfy.ftrl.optim import DPFTRLOptimizer, check_sgd
 from dpfy.ftrl.sampler import OrderedSampler, parse_order
 from dpfy.grads import EngineChoice, LossReduction, make_engine
 from dpfy.ledger import PrivacyLedger
-from dpfy.noise import SecureNoise, TorchNoise
 from dpfy.optim import BatchBoundary, NoiseSettings
-from dpfy.session import PrivateTraining, _check_optimizer_params
+from dpfy.session import (
+    PrivateTraining,
+    check_common,
+    noise_source,
+    seeded_generator,
+    warn_if_delta_too_large,
+    with_virtual_batches,
+)
 from dpfy.settings import PrivacySettings
-from dpfy.virtual import VirtualBatchLoader
 
 ALGORITHM = "dp-ftrl"
 #: Tree aggregation keeps the stream's order: an example is replaced by a null one (App. D).
@@ -73,29 +76,17 @@ def make_private_ftrl(
     of ``target_epsilon`` (σ is calibrated and the budget guard stops there) and
     ``noise_multiplier``.
     """
-    check_model(model)
-    delta = check_delta(delta)
-    max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    delta, max_grad_norm = check_common(model, optimizer, delta, max_grad_norm)
     dataset_size = dataset_size_of(train_dataset)
     batch_size = check_batch_size(dataset_size, batch_size)
     kind = parse_order(sampler)
-    _check_optimizer_params(model, optimizer)
     check_sgd(optimizer)
     per_epoch = dataset_size // batch_size
     k = resolve_restart(restart_every, per_epoch)
     total_steps = _ftrl_steps(epochs, steps, per_epoch)
-    if delta >= 1 / dataset_size:
-        warnings.warn(
-            f"δ = {delta:g} is not below 1/N = {1 / dataset_size:g}; choose δ ≪ 1/N (guide §2.1)",
-            UserWarning,
-            stacklevel=2,
-        )
+    warn_if_delta_too_large(delta, dataset_size)
     sigma = _sigma(target_epsilon, noise_multiplier, delta, total_steps, per_epoch, k, accountant)
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator = seeded_generator(seed)
     order = OrderedSampler(
         dataset_size,
         batch_size,
@@ -109,7 +100,7 @@ def make_private_ftrl(
     )
     grad_engine = make_engine(model, engine, batch_first=batch_first)
     settings = NoiseSettings(sigma, max_grad_norm, batch_size, microbatch_size)
-    noise = SecureNoise() if secure_noise else TorchNoise(seed=None if seed is None else seed + 1)
+    noise = noise_source(secure_noise, None if seed is None else seed + 1)
     boundary = BatchBoundary()
     private_optimizer = DPFTRLOptimizer(
         optimizer,
@@ -123,9 +114,7 @@ def make_private_ftrl(
         noise=noise,
         boundary=boundary,
     )
-    run_loader: DPDataLoader | VirtualBatchLoader = loader
-    if max_physical_batch_size is not None:
-        run_loader = VirtualBatchLoader(loader, max_physical_batch_size, boundary)
+    run_loader = with_virtual_batches(loader, max_physical_batch_size, boundary)
     privacy = PrivacySettings(
         dataset_size=dataset_size,
         expected_batch_size=batch_size,
