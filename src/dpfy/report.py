@@ -465,7 +465,14 @@ def _render_epsilon(data: dict[str, Any]) -> list[str]:
             + (_eps(proven) if proven is not None else "not known (shuffled batches, guide §4.3)")
         )
     if data["target_epsilon"] is not None:
-        lines.append(f"- target ε (budget guard): {_eps(data['target_epsilon'])}")
+        target = data["target_epsilon"]
+        line = f"- target ε (budget guard): {_eps(target)}"
+        if data["total"] > target:  # only events recorded after training can take it past
+            line += (
+                " — the guard covered every event recorded while training ran; events recorded "
+                "after training (e.g. the tuning above) add to the total"
+            )
+        lines.append(line)
     return lines
 
 
