@@ -7,7 +7,8 @@ warm-up step, peak bytes held by torch's allocator above the model, batch and op
 (CUDA: ``max_memory_allocated``; CPU: the profiler's allocator events). Ratios are against
 non-private SGD of the same run; Opacus runs in each ``grad_sample_mode`` that works.
 ``dpfy_*`` steps include clipping, Gaussian noise on every parameter and the SGD update;
-``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. Results go to ``benchmarks/results/step_overhead.json``.
+``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. Results go to
+``benchmarks/results/step_overhead.json``.
 """
 
 from __future__ import annotations
