@@ -25,8 +25,9 @@ Why this preserves the single-process guarantee (central DP, guide §3.1, alg. 1
   steps, δ, accountant or the model's trainable parameters.
 
 Trust model: central DP. The ranks and the aggregation are trusted (they see clipped, not yet
-fully noised, partial sums); what is protected is everything released from the run — the model,
-checkpoints and reports.
+fully noised, partial sums); what is protected is what the run releases — the model and reports.
+Checkpoints are not releases: they hold every rank's sampler and noise-generator state, from which
+past batches and noise can be reconstructed, so they must stay as private as the data.
 
 Failures: every collective is wrapped; if another rank crashed, was killed, skipped a step or the
 network failed, the collective fails (at once, or after the process-group timeout) and this rank
@@ -51,7 +52,7 @@ from torch import Tensor, nn
 from dpfy.data.records import SamplingKind
 from dpfy.data.sampling import DpBatchSampler, sampling_rate_for
 from dpfy.data.sharding import ShardedPoissonSampler
-from dpfy.noise import NoiseSource
+from dpfy.noise import NoiseSource, add_noise_
 
 T = TypeVar("T")
 _SEED_PURPOSES = {"sampling": 0, "noise": 1}
@@ -92,10 +93,10 @@ class LocalAggregator:
     ) -> dict[str, Tensor]:
         """Sum + N(0, std²) per coordinate, added in place: the engine's sums become the result.
 
-        In place so a step holds one parameter-sized buffer per parameter, not two; the engine
-        is reset right after the update, so nothing reads the consumed sums.
+        In place and in chunks, so a step holds no second parameter-sized buffer; the engine is
+        reset right after the update, so nothing reads the consumed sums.
         """
-        return {name: total.add_(noise.normal(total, std)) for name, total in sums.items()}
+        return {name: add_noise_(total, std, noise) for name, total in sums.items()}
 
     def skip(self) -> None:
         """Nothing to keep in step with."""

@@ -20,6 +20,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+#: Coordinates per draw when noise is added in place: a step then holds one noise buffer of at
+#: most this size (1 MiB in float32) instead of one as large as the largest parameter.
+NOISE_CHUNK = 1 << 18
+
 
 class NoiseSource(Protocol):
     """Draws i.i.d. N(0, std²) noise shaped like a tensor."""
@@ -78,3 +82,18 @@ class SecureNoise:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Nothing to restore: every draw is fresh from the OS."""
+
+
+def add_noise_(tensor: torch.Tensor, std: float, source: NoiseSource) -> torch.Tensor:
+    """``tensor += N(0, std²)`` per coordinate, in place, drawn in chunks of ``NOISE_CHUNK``.
+
+    Every coordinate gets its own fresh draw; chunking only bounds the memory the draw needs.
+    """
+    with torch.no_grad():
+        if not tensor.is_contiguous():
+            return tensor.add_(source.normal(tensor, std))
+        flat = tensor.view(-1)
+        for start in range(0, flat.numel(), NOISE_CHUNK):
+            chunk = flat[start : start + NOISE_CHUNK]
+            chunk.add_(source.normal(chunk, std))
+    return tensor

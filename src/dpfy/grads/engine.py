@@ -114,30 +114,39 @@ class GradEngine:
             groups = _check_groups(groups, microbatch_size)
         self._taps.active = False  # engines may call watched layers themselves
         try:
-            calls = self._collect_calls()
-            n = self._batch_size(calls)
-            if groups is not None and groups.numel() != n:
-                raise ValueError(
-                    f"groups has {groups.numel()} ids but the batch has {n} examples; pass one "
-                    "group id per example of this batch"
-                )
-            if n == 0:
-                return ClipResult(torch.zeros(0), 0, 0)
-            units = Units.consecutive(n, group) if groups is None else Units.from_ids(groups)
-            base = float(n) if loss_reduction == "mean" else 1.0
-            sizes = units.sizes.to(torch.float64)  # exact ratios, then the gradients' dtype
-            scale = base / sizes  # unit gradient = scale · (sum of captured gradients)
-            sq = self._unit_sq_norms(calls, units)
-            calls.clear()  # the engine keeps what it needs; let summed layers free their tensors
-            scale = scale.to(sq.device, sq.dtype)
-            norms = sq.clamp_min(0).sqrt() * scale
-            factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
-            for name, value in self._unit_weighted_sums(factors * scale).items():
-                self._add(name, value)
-            self.num_examples += n
-            return ClipResult(norms.detach(), n, units.count)
+            # The norms and sums are data, not part of any graph: under autograd every layer's
+            # captured tensors would stay alive in their history until the step ended.
+            with torch.no_grad():
+                return self._clip_batch(clip, loss_reduction, group, groups)
         finally:
             self._release()
+
+    def _clip_batch(
+        self, clip: float, loss_reduction: LossReduction, group: int, groups: Tensor | None
+    ) -> ClipResult:
+        """Clip the captured batch's units and add their clipped sum to the total."""
+        calls = self._collect_calls()
+        n = self._batch_size(calls)
+        if groups is not None and groups.numel() != n:
+            raise ValueError(
+                f"groups has {groups.numel()} ids but the batch has {n} examples; pass one "
+                "group id per example of this batch"
+            )
+        if n == 0:
+            return ClipResult(torch.zeros(0), 0, 0)
+        units = Units.consecutive(n, group) if groups is None else Units.from_ids(groups)
+        base = float(n) if loss_reduction == "mean" else 1.0
+        sizes = units.sizes.to(torch.float64)  # exact ratios, then the gradients' dtype
+        scale = base / sizes  # unit gradient = scale · (sum of captured gradients)
+        sq = self._unit_sq_norms(calls, units)
+        calls.clear()  # the engine keeps what it needs; let summed layers free their tensors
+        scale = scale.to(sq.device, sq.dtype)
+        norms = sq.clamp_min(0).sqrt() * scale
+        factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+        for name, value in self._unit_weighted_sums(factors * scale).items():
+            self._add(name, value)
+        self.num_examples += n
+        return ClipResult(norms.detach(), n, units.count)
 
     def summed_grads(self) -> dict[str, Tensor]:
         """The accumulated clipped sum for every trainable parameter (zeros where none came)."""
