@@ -20,6 +20,7 @@ from torch import Tensor
 from dpfy.grads.capture import Call, Tap, release
 from dpfy.grads.engine import GradEngine
 from dpfy.grads.layout import Units, prepare_call
+from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, find_rule
 
 __all__ = ["FastEngine"]
@@ -72,7 +73,7 @@ class FastEngine(GradEngine):
             if call.compact is not None:
                 grouped = {name: units.sum_rows(rows) for name, rows in call.compact.items()}
                 self._pending.append((tap, rule, call, grouped))
-                sq = sum(g.square().sum(1) for g in grouped.values())
+                sq = sum(sq_norm(g, 1) for g in grouped.values())
             else:
                 prepared = prepare_call(call, self.batch_dim(tap, call), units)
                 self._pending.append((tap, rule, prepared, None))

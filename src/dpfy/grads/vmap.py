@@ -19,6 +19,7 @@ from torch.func import functional_call, vjp, vmap
 from dpfy.grads.capture import Call, Tap, output_tensors
 from dpfy.grads.engine import GradEngine
 from dpfy.grads.layout import Units
+from dpfy.grads.norms import sq_norm
 
 __all__ = ["VmapEngine", "per_example_grads", "weighted_grads"]
 
@@ -117,9 +118,9 @@ class VmapEngine(GradEngine):
                 if uses[name] > 1:
                     shared[name] = shared[name] + grad if name in shared else grad
                 else:
-                    add(units.sum_rows(grad).flatten(1).square().sum(1))
+                    add(sq_norm(units.sum_rows(grad).flatten(1), 1))
         for grad in shared.values():
-            add(units.sum_rows(grad).flatten(1).square().sum(1))
+            add(sq_norm(units.sum_rows(grad).flatten(1), 1))
         self._calls, self._units = list(calls), units
         assert total is not None
         return total

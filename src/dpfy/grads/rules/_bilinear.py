@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dpfy.grads.norms import sq_norm
+
 __all__ = [
     "bias_sq_norms",
     "direct_sq_norms",
@@ -46,7 +48,7 @@ def ghost_sq_norms(a: Tensor, g: Tensor, a_gram: Tensor | None = None) -> Tensor
 
 def direct_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     """‖Σ_t g_t a_tᵀ‖² per unit by forming each unit's p×d gradient: (U, T, d), (U, T, p) → (U,)."""
-    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+    return sq_norm(torch.bmm(g.transpose(1, 2), a), (1, 2))
 
 
 def weight_sq_norms(
@@ -59,11 +61,11 @@ def weight_sq_norms(
     """
     positions = a.shape[1]
     if positions == 1:  # rank one: ‖g aᵀ‖ = ‖g‖·‖a‖
-        return a[:, 0].square().sum(1) * g[:, 0].square().sum(1), None
+        return sq_norm(a[:, 0], 1) * sq_norm(g[:, 0], 1), None
     if use_ghost(positions, a.shape[2], g.shape[2]):
         return ghost_sq_norms(a, g, a_gram), None
     grads = torch.bmm(g.transpose(1, 2), a)
-    return grads.square().sum((1, 2)), grads
+    return sq_norm(grads, (1, 2)), grads
 
 
 def _position_sum(g: Tensor) -> Tensor:
@@ -73,7 +75,7 @@ def _position_sum(g: Tensor) -> Tensor:
 
 def bias_sq_norms(g: Tensor) -> Tensor:
     """Per-unit squared norm of the bias gradient Σ_t g_t: (U, T, p) → (U,)."""
-    return _position_sum(g).square().sum(1)
+    return sq_norm(_position_sum(g), 1)
 
 
 def weighted_weight_sum(

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from dpfy.grads.capture import Call
 from dpfy.grads.layout import batch_slices, group_positions
+from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, register_rule
 from dpfy.grads.rules._bilinear import ghost_sq_norms, use_ghost
 
@@ -142,11 +143,11 @@ class ConvRule(LayerRule):
             else:
                 unit_grads = _per_unit(_per_example_weight_grads(layer, call), call.group)
                 call.cache["weight"] = unit_grads
-                total = total + unit_grads.square().sum(1)
+                total = total + sq_norm(unit_grads, 1)
         if "bias" in call.trainable:
             bias = _per_unit(g.flatten(2).sum(2), call.group)
             call.cache["bias"] = bias
-            total = total + bias.square().sum(1)
+            total = total + sq_norm(bias, 1)
         return total
 
     @staticmethod

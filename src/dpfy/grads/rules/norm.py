@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from dpfy.grads.capture import Call
 from dpfy.grads.layout import batch_slices
+from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, register_rule
 
 
@@ -63,7 +64,7 @@ class _AffineRule(LayerRule):
     def sq_norms(cls, layer: nn.Module, call: Call) -> Tensor:  # type: ignore[override]
         """Sum of squares of the per-unit affine gradients."""
         grads = cls.unit_grads(layer, call)
-        return sum(g.square().sum(1) for g in grads.values())
+        return sum(sq_norm(g, 1) for g in grads.values())
 
     @classmethod
     def clipped_sum(  # type: ignore[override]
