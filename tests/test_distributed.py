@@ -432,6 +432,13 @@ def test_shards_partition_the_dataset_and_each_index_is_kept_at_the_global_rate(
     assert statistic < stats.chi2.ppf(1 - 1e-4, n)  # every index at rate q, across all shards
 
 
+def test_a_rank_beyond_the_last_example_has_an_empty_shard_and_still_steps():
+    sampler = ShardedPoissonSampler(3, 0.5, 2, 5, 8, torch.Generator().manual_seed(0))
+    assert sampler.shard.numel() == 0 and sampler.expected_local_batch_size == 0
+    assert list(sampler) == [[], []]  # empty local batches: this rank adds zeros and its share
+    assert sampler.record.dataset_size == 3 and sampler.record.sampling_rate == 0.5
+
+
 def test_rank_seeds_are_distinct_and_one_process_keeps_its_seeds():
     seeds = {derive_seed(0, r, p) for r in range(4) for p in ("sampling", "noise")}
     assert len(seeds) == 8

@@ -221,6 +221,16 @@ def test_clip_update_scales_only_long_changes():
     assert torch.equal(short["b"], delta["b"])
 
 
+def test_an_update_that_overflows_the_model_dtype_is_dropped_not_summed_as_nan():
+    # Finite in float64, infinite once cast to the model's float32: it must not reach the sum.
+    from dpfy.federated import ClippedSum, MalformedUpdate
+
+    total = ClippedSum({"w": torch.zeros(2)}, clip_norm=1.0)
+    with pytest.raises(MalformedUpdate, match="not finite"):
+        total.add({"w": torch.tensor([1e300, 0.0], dtype=torch.float64)})
+    assert total.accepted == 0 and torch.equal(total.total["w"], torch.zeros(2))
+
+
 # -- the model: frozen parameters, batch norm ---------------------------------------------------
 def test_frozen_parameters_are_untouched():
     torch.manual_seed(0)
@@ -298,6 +308,13 @@ def test_a_diverged_user_is_dropped_logged_and_the_round_still_accounted(caplog)
     assert "user 1 dropped" in caplog.text
     assert book.steps == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_delta_not_below_one_over_n_users_warns():
+    # δ ≥ 1/N_users is met by publishing one random user's data outright (guide §2.1).
+    with pytest.warns(UserWarning, match=r"1/N_users = 0\.25"):
+        DPFedAvg(tiny_model(), make_users(4), FedAvgConfig(2, 1.0, 1.0), PrivacyLedger(0.3),
+                 rounds=1)  # fmt: skip
 
 
 # -- budget and reproducibility -----------------------------------------------------------------
@@ -388,6 +405,7 @@ def test_dpfy_federated_writes_a_user_level_report(tmp_path):
     assert "one user (all of that user's examples)" in card["neighbouring_relation"]["statement"]
     assert "model change after local training" in card["assumptions"]["clipping"]["statement"]
     assert "every user joined each step" in card["assumptions"]["sampling"]["statement"]
+    assert "sum of clipped user model changes" in card["accounting"]["statement"]
     assert "user-level" in (out / "report.md").read_text()
 
 
@@ -399,3 +417,31 @@ def test_dpfy_federated_refuses_more_clients_than_users_in_one_line(tmp_path):
     assert run.stderr.strip().startswith("error:") and "exceeds --users 20" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [
+        ("--clients-per-round", "0", "clients_per_round"),
+        ("--local-steps", "0", "local_steps"),
+        ("--local-batch-size", "0", "local_batch_size"),
+        ("--client-lr", "-1", "client_lr"),
+        ("--server-lr", "0", "server_lr"),
+        ("--clip-norm", "0", "clip_norm"),
+        ("--server-optimizer", "rmsprop", "server optimizer"),
+    ],
+)
+def test_dpfy_federated_refuses_bad_settings_before_creating_the_run_dir(
+    tmp_path, option, value, named
+):
+    run = _dpfy("federated", "--users", "20", option, value, "--out", str(tmp_path / "x"))
+    assert run.exit_code == 2, run.output
+    assert named in run.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_cli_knows_exactly_the_registered_server_optimizers():
+    from dpfy.federated import SERVER_OPTIMIZERS
+    from dpfy.federated.config import SERVER_OPTIMIZER_NAMES
+
+    assert set(SERVER_OPTIMIZER_NAMES) == set(SERVER_OPTIMIZERS)

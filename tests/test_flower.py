@@ -237,6 +237,7 @@ def test_unsolicited_replies_are_ignored_and_a_population_mismatch_is_logged(cap
     assert "unexpected reply from node 99" in caplog.text
     assert "unexpected reply from node 1" in caplog.text  # its second reply
     assert metrics["dp-accepted"] == 3
+    assert metrics["dp-dropped"] == 0  # ignored replies are not dropped sampled users
     noise = 0.5 * PatternNoise.pattern(torch.zeros(2, 3))
     expected = (3 * torch.full((2, 3), 1.0 / math.sqrt(6)) + noise) / 5  # each clipped to C = 1
     assert torch.allclose(arrays.to_torch_state_dict()["w"], expected, atol=1e-6)
@@ -254,6 +255,11 @@ def test_unsolicited_replies_are_ignored_and_a_population_mismatch_is_logged(cap
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         strategy(**kwargs)
+
+
+def test_delta_not_below_one_over_declared_users_warns():
+    with pytest.warns(UserWarning, match=r"1/N_users = 0\.2"):
+        strategy(ledger=PrivacyLedger(0.5))
 
 
 def test_unknown_trainable_keys_are_refused():

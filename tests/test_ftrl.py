@@ -661,3 +661,43 @@ def test_digits_dp_ftrl_at_epsilon_3_reaches_85_percent(tmp_path):
     assert result.epsilon <= 3.0
     assert result.test_accuracy >= 0.85
     assert "no sampling assumption was used" in (result.run_dir / "report.md").read_text()
+
+
+def test_optimizer_refuses_an_add_or_remove_ledger():
+    # Each tree step is recorded as a plain GaussianEvent, which an add-or-remove ledger would
+    # accept and report under the wrong adjacency: the tree bound holds for zero-out only.
+    model = tiny_model()
+    engine = dpfy.grads.make_engine(model)
+    record = SamplingRecord(SamplingKind.TREE_FIXED_ORDER, 8 / 48, 48, 8)
+    with pytest.raises(ValueError, match="zero-out"):
+        DPFTRLOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), engine, PrivacyLedger(1e-3), record,
+            NoiseSettings(1.0, 1.0, 8),
+        )  # fmt: skip
+    engine.detach()
+
+
+def test_a_skipped_batch_stops_the_run_until_a_checkpoint_is_reloaded(tmp_path):
+    # Catching NonFiniteGradientError and moving on would shift every later tree against the
+    # sampler's epochs (an example twice in one tree, outside the charged bound): refuse instead.
+    private = ftrl_run(steps=12)
+    batches = iter(private.loader)
+    x, y = next(batches)
+    private.optimizer.zero_grad()
+    nn.functional.cross_entropy(private.model(x), y).backward()
+    private.optimizer.step()
+    private.save(tmp_path / "ckpt.pt")
+    x, y = next(batches)
+    private.optimizer.zero_grad()
+    nn.functional.cross_entropy(private.model(x * math.nan), y).backward()
+    with pytest.raises(dpfy.NonFiniteGradientError):
+        private.optimizer.step()
+    x, y = next(batches)
+    private.optimizer.zero_grad()
+    nn.functional.cross_entropy(private.model(x), y).backward()
+    with pytest.raises(ValueError, match="skipped"):
+        private.optimizer.step()
+    assert private.ledger.steps == 1 and private.optimizer.steps_done == 1
+    private.load(tmp_path / "ckpt.pt")
+    train(private)
+    assert private.ledger.steps == 12

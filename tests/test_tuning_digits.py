@@ -59,6 +59,9 @@ def test_clip_search_on_digits_compose_quick(tmp_path: Path) -> None:
     expected = compute_epsilon(SelfComposedEvent(one, 4), summary["delta"], "pld")
     assert summary["tuning"]["tuning_epsilon"] == pytest.approx(expected, rel=1e-6)
     assert (tmp_path / "tune" / "tuning.json").stat().st_size > 0
+    # what the final ledger's ε does not cover is named: raw gradient norms, the second model
+    uncovered = " ".join(summary["not_covered_by_epsilon"])
+    assert "gradient norms" in uncovered and "untuned_default" in uncovered
     for name in ("grad_norms_plot", "clip_plot", "report"):
         assert Path(summary["files"][name]).stat().st_size > 0
 

@@ -40,6 +40,10 @@ def _tune(tmp_path: Path, *args: str) -> tuple[int, str]:
         (("--tuning-accounting", "public"), "needs --public-data"),
         (("--tuning-accounting", "guess"), "unknown tuning accounting method"),
         (("--tuning-accounting", "compose", "--search", "grid"), "search must be one of"),
+        (
+            ("--tuning-accounting", "random-trials", "--distribution=geometric", "--trials=1"),
+            "random-trials: mean must lie in.*raise --trials",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(
@@ -95,6 +99,7 @@ def test_histogram_marks_c_and_says_how_much_it_clips(tmp_path: Path) -> None:
     axes = figure.axes[0]
     assert "norm" in axes.get_xlabel() and "log" in axes.get_xlabel()
     assert "number" in axes.get_ylabel()
+    assert "NOT PRIVATE" in axes.get_title()  # raw statistics of private data
     labels = [line.get_label() for line in axes.get_lines()]
     assert any("chosen C = 1" in s and "25% clipped" in s for s in labels)
     assert any("default C = 10" in s and "0% clipped" in s for s in labels)

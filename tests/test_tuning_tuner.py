@@ -257,3 +257,49 @@ def test_trials_near_chance_are_noted() -> None:
     outcome = Tuner(clip_search(), "compose", runner=run).run(DATA, 1e-4)
     _check_informative(outcome, num_classes=10)
     assert not outcome.notes
+
+
+def test_the_default_tuner_draws_k_and_the_selection_from_os_entropy() -> None:
+    # K and the exponential mechanism's coin are part of the guarantee only while they are
+    # secret: a default (unseeded) Tuner must not draw them from a fixed, public seed.
+    spec = TuningSpec(distribution="geometric", mean_trials=4)
+    drawn = {
+        Tuner(clip_search(), "random-trials", spec, runner=fake_runner(ACCURACY)[1])
+        .run(DATA, 1e-4)
+        .trials_drawn
+        for _ in range(12)
+    }
+    assert len(drawn) > 1
+    loose = TuningSpec(selection_epsilon=0.01)
+    picks = {
+        Tuner(clip_search(), "exponential", loose, runner=fake_runner(ACCURACY)[1])
+        .run(DATA, 1e-4)
+        .chosen.config.max_grad_norm
+        for _ in range(12)
+    }
+    assert len(picks) > 1
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TuningSpec(distribution="geometric", mean_trials=1),  # a truncated law has mean > 1
+        TuningSpec(distribution="truncated-negative-binomial", mean_trials=3),  # no shape η
+    ],
+)
+def test_random_trials_settings_are_refused_before_any_trial_runs(spec: TuningSpec) -> None:
+    calls, run = fake_runner(ACCURACY)
+    with pytest.raises(ValueError, match="random-trials tuning settings"):
+        Tuner(clip_search(), "random-trials", spec, seed=0, runner=run).run(DATA, 1e-4)
+    assert not calls  # no private data was touched for a run that cannot be accounted
+
+
+def test_the_default_tuner_gives_every_run_a_fresh_seed() -> None:
+    # The search's seed is a public default (0): trial noise seeded from it would be known.
+    calls, run = fake_runner(ACCURACY)
+    Tuner(clip_search(), "compose", runner=run).run(DATA, 1e-4)
+    seeds = [c.seed for c in calls]
+    assert len(set(seeds)) == len(seeds) and clip_search().seed not in seeds
+    calls, run = fake_runner(ACCURACY)
+    Tuner(clip_search(), "compose", seed=3, runner=run).run(DATA, 1e-4)  # an experiment
+    assert [c.seed for c in calls] == [c.seed for c in clip_search().candidates()]

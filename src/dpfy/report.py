@@ -142,7 +142,7 @@ def _dp_setting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any
 
 
 _FEDERATED = {"dp-fedavg": "DP-FedAvg", "dp-fedsgd": "DP-FedSGD"}
-_CLIPPED = dict.fromkeys(_FEDERATED, "user model changes")
+_CLIPPED_SUMS = dict.fromkeys(_FEDERATED, "user model changes")  # what the noise is added to
 _ALGORITHMS = {"dp-sgd": "DP-SGD", "dp-ftrl": "DP-FTRL (Kairouz et al. 2021)", **_FEDERATED}
 
 
@@ -287,7 +287,7 @@ def _accounting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any
             f"Accounted with the {names.get(accountant, accountant)} accountant over every "
             f"recorded step: each step is the subsampled Gaussian mechanism with noise multiplier "
             f"σ = {p.noise_multiplier:.6g} (noise std σ·sensitivity on the sum of clipped "
-            f"{_CLIPPED.get(p.algorithm, 'gradients')}, decoupled from C, guide §4.2) at "
+            f"{_CLIPPED_SUMS.get(p.algorithm, 'gradients')}, decoupled from C, guide §4.2) at "
             "sampling rate q = "
             f"{p.sampling_rate:.6g}."
         ),

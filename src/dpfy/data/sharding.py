@@ -42,7 +42,8 @@ class ShardedPoissonSampler(PoissonSampler):
         if self.rank >= self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size} ranks")
         check_count("dataset_size", dataset_size, minimum=1)
-        self.shard = torch.arange(self.rank, dataset_size, self.world_size, dtype=torch.int64)
+        # Slicing, not arange(rank, N, W): a rank past the last example gets an empty shard.
+        self.shard = torch.arange(dataset_size, dtype=torch.int64)[self.rank :: self.world_size]
         super().__init__(dataset_size, sampling_rate, steps, generator, secure=secure)
 
     @property

@@ -95,9 +95,15 @@ class ClippedSum:
                     f"update tensor {name!r} has shape {tuple(value.shape)}, the model's has "
                     f"{tuple(reference.shape)}"
                 )
-            if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+            if not value.is_floating_point():
                 raise MalformedUpdate(f"update tensor {name!r} is not finite floating point")
-            checked[name] = value.to(dtype=reference.dtype, device=reference.device)
+            value = value.to(dtype=reference.dtype, device=reference.device)
+            if not bool(torch.isfinite(value).all()):  # after the cast: 1e300 → inf in float32
+                raise MalformedUpdate(
+                    f"update tensor {name!r} is not finite floating point in the model's "
+                    f"{reference.dtype}"
+                )
+            checked[name] = value
         return checked
 
     def noisy_mean(

@@ -12,7 +12,11 @@ from dpfy._validate import check_count, check_positive
 if TYPE_CHECKING:
     from dpfy.federated.fedavg import FedAvgConfig
 
-__all__ = ["FederatedConfig"]
+__all__ = ["SERVER_OPTIMIZER_NAMES", "FederatedConfig"]
+
+#: The server optimizers ``dpfy.federated.aggregate.SERVER_OPTIMIZERS`` registers (kept here,
+#: torch-free, so a bad name is refused before any data is loaded or any directory is made).
+SERVER_OPTIMIZER_NAMES = ("sgd", "momentum", "adam")
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,21 @@ class FederatedConfig:
     data_dir: Path | None = None
 
     def __post_init__(self) -> None:
+        """Refuse bad settings before anything is loaded or written (names match the flags)."""
         check_count("users", self.users, minimum=1)
         check_positive("alpha", self.alpha)
+        check_count("clients_per_round", self.clients_per_round, minimum=1)
         check_count("rounds", self.rounds, minimum=1)
-        check_positive("target_epsilon", self.target_epsilon)
+        check_count("local_steps", self.local_steps, minimum=1)
+        if self.local_batch_size is not None:
+            check_count("local_batch_size", self.local_batch_size, minimum=1)
+        for name in ("client_lr", "server_lr", "clip_norm", "target_epsilon"):
+            check_positive(name, getattr(self, name))
+        if str(self.server_optimizer).strip().lower() not in SERVER_OPTIMIZER_NAMES:
+            raise ValueError(
+                f"server optimizer must be one of {', '.join(SERVER_OPTIMIZER_NAMES)}; got "
+                f"{self.server_optimizer!r}"
+            )
         if self.clients_per_round > self.users:
             raise ValueError(
                 f"--clients-per-round {self.clients_per_round} exceeds --users {self.users}; "

@@ -46,6 +46,7 @@ from dpfy.federated.aggregate import (
 )
 from dpfy.ledger import PrivacyLedger, StepRecord
 from dpfy.noise import NoiseSource, SecureNoise, TorchNoise
+from dpfy.session import warn_if_delta_too_large
 
 __all__ = [
     "DPFedAvg",
@@ -228,6 +229,7 @@ class DPFedAvg:
                 "users; lower clients_per_round to at most the number of users"
             )
         self.model, self.config, self.ledger = model, config, check_ledger(ledger)
+        warn_if_delta_too_large(ledger.delta, len(self.users), "user")
         self.loss_fn = loss_fn or nn.functional.cross_entropy
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.params:

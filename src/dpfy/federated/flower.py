@@ -51,6 +51,7 @@ from dpfy.federated.aggregate import (
 from dpfy.federated.fedavg import check_ledger, check_seeding
 from dpfy.ledger import BudgetExhausted, PrivacyLedger, StepRecord
 from dpfy.noise import NoiseSource, SecureNoise, TorchNoise
+from dpfy.session import warn_if_delta_too_large
 
 __all__ = ["DPFedAvgStrategy"]
 
@@ -108,6 +109,7 @@ class DPFedAvgStrategy(Strategy):
         self.server_optimizer = server_optimizer
         make_server_optimizer(server_optimizer, [nn.Parameter(torch.zeros(1))], server_lr)
         self.ledger = check_ledger(ledger)
+        warn_if_delta_too_large(ledger.delta, self.num_users, "user")
         self.trainable_keys = None if trainable_keys is None else tuple(trainable_keys)
         self.sampling = SamplingRecord(
             SamplingKind.POISSON,
@@ -208,9 +210,8 @@ class DPFedAvgStrategy(Strategy):
             return None, None
         self._round = None
         total = ClippedSum(self._global_trainable(), self.clip_norm)
-        dropped = 0
         for reply in replies:
-            dropped += not self._add_reply(total, current, reply)
+            self._add_reply(total, current, reply)
         missing = len(current.sampled - current.replied)
         if missing:
             log.warning(
@@ -226,7 +227,7 @@ class DPFedAvgStrategy(Strategy):
             {
                 "dp-sampled": len(current.sampled),
                 "dp-accepted": total.accepted,
-                "dp-dropped": dropped + missing,
+                "dp-dropped": len(current.sampled) - total.accepted,  # bad replies + silent
                 "dp-epsilon": float(self.ledger.epsilon()),
             }
         )

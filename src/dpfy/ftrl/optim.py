@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dpfy.accounting.events import tree_aggregation_reason
 from dpfy.data.records import TREE_KINDS, SamplingRecord
 from dpfy.ftrl.accounting import new_tree_nodes, resolve_restart
 from dpfy.ftrl.tree import TreeNoise
@@ -91,6 +92,9 @@ class DPFTRLOptimizer(DPOptimizer):
                 f"'tree-shuffle' or 'tree-fixed-order', from dpfy.ftrl.OrderedSampler), got "
                 f"{kind!r}; DP-FTRL assumes no sampling, so Poisson batches bring nothing here"
             )
+        reason = tree_aggregation_reason(ledger.relation)
+        if reason is not None:  # each step is a plain GaussianEvent: the ledger would not refuse
+            raise ValueError(f"{reason}: PrivacyLedger(delta, relation='zero-out')")
         super().__init__(
             optimizer,
             engine,
@@ -111,6 +115,7 @@ class DPFTRLOptimizer(DPOptimizer):
         self._previous = {name: torch.zeros_like(p) for name, p in params.items()}
         self._velocity = {name: torch.zeros_like(p) for name, p in params.items()}
         self.steps_done = 0
+        self._skipped = False  # a batch was drawn but not stepped (non-finite gradient)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Clip this batch; at the end of a logical batch, account, add tree noise and update."""
@@ -118,15 +123,18 @@ class DPFTRLOptimizer(DPOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        result = self._clip()
+        result = self._clip()  # consumes the batch's hooked activations either way
+        self._refuse_after_skip()
         for observe in self.clip_observers:  # diagnostics only
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
             self.engine.reset()
+            self._skipped = True
             raise NonFiniteGradientError(
                 "a per-example gradient is NaN or infinite (a non-finite loss?); the step was not "
                 "applied and the model and ledger are unchanged — check the inputs and the loss, "
-                "or lower the learning rate"
+                "or lower the learning rate; DP-FTRL cannot skip a batch, so reload the last "
+                "checkpoint before training on"
             )
         if not self.boundary.closes_batch:
             return loss
@@ -148,6 +156,22 @@ class DPFTRLOptimizer(DPOptimizer):
         self.engine.reset()
         self.steps_done += 1
         return loss
+
+    def _refuse_after_skip(self) -> None:
+        """After a skipped batch the step count no longer follows the sampler's epochs.
+
+        The trees restart at epoch positions counted in steps; one batch fewer would put the
+        next epoch's first batch into this epoch's last tree, where an example can sit twice —
+        outside the tree bound the ledger charges (Kairouz et al. 2021, App. D).
+        """
+        if self._skipped:
+            self.engine.reset()
+            raise ValueError(
+                "a batch was skipped after a non-finite gradient, so DP-FTRL's trees no longer "
+                "line up with the epochs and this step could put an example twice in one tree; "
+                "reload the last checkpoint (PrivateTraining.load) and fix the loss or lower the "
+                "learning rate"
+            )
 
     @torch.no_grad()
     def _update(self, summed: dict[str, torch.Tensor], *, restart: bool) -> None:
@@ -212,6 +236,7 @@ class DPFTRLOptimizer(DPOptimizer):
         self._anchor, self._sum = tensors["anchor"], tensors["sum"]
         self._previous, self._velocity = tensors["previous"], tensors["velocity"]
         self.steps_done = int(ftrl["steps_done"])
+        self._skipped = False
 
     def __repr__(self) -> str:
         """The privacy settings and the tree configuration."""

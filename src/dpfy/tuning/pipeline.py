@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.utils.data import TensorDataset
 
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
+from dpfy.accounting.events import GaussianEvent
 from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.tuning.clip_search import DEFAULT_CLIP_GRID, ClipSearch
 from dpfy.tuning.cost import TuningSpec, get_method
@@ -117,6 +118,15 @@ def check_tune_config(config: TuneConfig) -> None:
         raise ValueError(f"trials must be at least 1, got {config.trials}")
     if config.target_epsilon <= 0:
         raise ValueError(f"target_epsilon must be positive, got {config.target_epsilon}")
+    if method.private:  # e.g. a geometric number of trials with mean 1, refused before any run
+        try:
+            method.event([GaussianEvent(1.0)], config.spec())
+        except ValueError as error:
+            raise ValueError(
+                f"--tuning-accounting {method.name}: {error}; the truncated distributions never "
+                "draw K = 0, so their mean (--trials) must exceed 1: raise --trials or use "
+                "--distribution poisson"
+            ) from None
 
 
 def _take(data: TensorDataset, indices: np.ndarray) -> TensorDataset:
@@ -324,12 +334,30 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
         **extra,
         "final": final,
         "untuned_default": baseline,
+        "not_covered_by_epsilon": _uncovered(baseline is not None, bool(outcome.results)),
         "seconds": time.perf_counter() - started,
         "files": {k: str(v) for k, v in files.items()},
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
     files["summary"] = out / SUMMARY_FILE
     return TuneSummary(out, summary, files)
+
+
+def _uncovered(baseline: bool, trials: bool) -> list[str]:
+    """What this summary holds beyond the final ledger's ε, so nobody publishes it by mistake."""
+    notes = []
+    if trials:
+        notes.append(
+            "grad_norm_quantiles and the gradient-norm histogram: unclipped per-example gradient "
+            "norms of the training data, computed without noise (diagnostics for the curator)"
+        )
+    if baseline:
+        notes.append(
+            "untuned_default: a second model trained on the same private data, accounted only in "
+            "its own ledger; publishing its result spends its ε as well, on top of the final "
+            "run's total"
+        )
+    return notes
 
 
 def parse_grid(text: str | Sequence[float]) -> tuple[float, ...]:

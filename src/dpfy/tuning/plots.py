@@ -116,7 +116,11 @@ def grad_norms_figure(
                  label=f"median norm = {np.median(values):.3g}")  # fmt: skip
     axes.set_xlabel("per-example gradient ℓ2 norm before clipping (log scale)")
     axes.set_ylabel("number of per-example gradients")
-    axes.set_title(f"Per-example gradient norms seen in the tuning trials (n = {values.size})")
+    axes.set_title(
+        f"Per-example gradient norms seen in the tuning trials (n = {values.size})\n"
+        "NOT PRIVATE: raw statistics of the training data, for the curator only",
+        fontsize=10,
+    )
     axes.legend(fontsize=8)
     figure.tight_layout()
     return figure

@@ -41,6 +41,10 @@ from dpfy.tuning.trial import TrialConfig, TrialResult, TuningData, run_trial
 TrialRunner = Callable[[TrialConfig, TuningData, float], TrialResult]
 TrialCallback = Callable[[int, int, TrialResult], None]
 TUNING_LABEL = "tuning"
+_SPEC_HINT = (
+    "the mean number of trials must exceed 1 for the truncated distributions, which never draw "
+    "K = 0, and the truncated negative binomial needs a shape η in (-1, inf); or use Poisson"
+)
 
 
 def planned_event(config: TrialConfig, dataset_size: int) -> DpEvent | None:
@@ -163,7 +167,11 @@ class Tuner:
     search: Search
     method: str | None
     spec: TuningSpec = field(default_factory=TuningSpec)
-    seed: int = 0
+    #: Seeds the draw of K, each run's configuration and seed, and the exponential mechanism.
+    #: None (the default) takes OS entropy: an adversary who knows the seed knows K, the
+    #: selection's coin flips and every trial's noise, and the guarantees assume they are
+    #: secret. Seed only experiments.
+    seed: int | None = None
     runner: TrialRunner = run_trial
 
     def __post_init__(self) -> None:
@@ -190,17 +198,34 @@ class Tuner:
             single_trial_event([e for e in events if e is not None])
             if self.spec.mean_trials is None:
                 raise ValueError("random-trials needs mean_trials, the expected number of runs")
+        if self._method.private:  # the spec's own errors (a mean the distribution cannot have)
+            try:
+                self._method.event([e for e in events if e is not None], self.spec)
+            except ValueError as error:
+                raise ValueError(
+                    f"{self._method.name} tuning settings: {error} ({_SPEC_HINT})"
+                ) from None
         return events
 
     def _schedule(
         self, candidates: Sequence[TrialConfig], rng: np.random.Generator
     ) -> tuple[list[TrialConfig], int | None]:
-        """Which configurations run: all of them, or K drawn ones, each chosen afresh."""
-        if self._method.selection != SELECT_BY_ORDER:
-            return list(candidates), None
-        count = draw_trial_count(self.spec, rng)
-        picks = rng.integers(len(candidates), size=count)
-        return [candidates[i].with_(seed=self.seed + 1 + n) for n, i in enumerate(picks)], count
+        """Which configurations run: all of them, or K drawn ones, each chosen afresh.
+
+        Unseeded, every run gets a seed from OS entropy, so no trial's noise or sampling follows
+        the search's public default seed.
+        """
+        if self._method.selection == SELECT_BY_ORDER:
+            count: int | None = draw_trial_count(self.spec, rng)
+            runs = [candidates[i] for i in rng.integers(len(candidates), size=count)]
+        else:
+            count, runs = None, list(candidates)
+        if self.seed is None:
+            seeds = rng.integers(2**31, size=len(runs))
+            return [c.with_(seed=int(s)) for c, s in zip(runs, seeds, strict=True)], count
+        if count is None:
+            return runs, None
+        return [c.with_(seed=self.seed + 1 + n) for n, c in enumerate(runs)], count
 
     def _select(self, results: list[TrialResult], rng: np.random.Generator) -> TrialResult | None:
         """Pick by the method's rule: the search's own, a fixed order, or the exponential
