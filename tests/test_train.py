@@ -62,6 +62,14 @@ def test_report_states_the_accounted_epsilon_and_accuracies(short_run):
     assert 0.5 < diagnostics["baseline_accuracy"] <= 1.0
 
 
+def test_default_run_draws_sampling_and_noise_from_os_entropy(short_run):
+    run_dir, _ = short_run  # no --seed given
+    facts = json.loads((run_dir / "facts.json").read_text())
+    assert facts["privacy"]["seeded"] is False
+    pitfalls = json.loads((run_dir / "report.json").read_text())["pitfalls"]
+    assert "seeded-randomness" not in [p["code"] for p in pitfalls]
+
+
 def test_report_rerenders_from_the_run_directory(short_run):
     run_dir, _ = short_run
     markdown = dpfy("report", str(run_dir))

@@ -175,6 +175,12 @@ class ReportFormat(str, Enum):
     json = "json"
 
 
+_SEED_HELP = (
+    "Seed sampling and noise too, for reproducible experiments (the report then flags the run: "
+    "whoever knows the seed can replay the noise). Default: OS entropy; init and splits use 0."
+)
+
+
 @app.command()
 def train(
     dataset: Annotated[str, typer.Option(help="digits, breast-cancer, fashion-mnist, …")] = (
@@ -191,7 +197,7 @@ def train(
     lr: Annotated[float, typer.Option(help="Learning rate.")] = _TRAIN.lr,
     optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
     out: Annotated[Path | None, typer.Option(help="Run directory (default: runs/…).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for init, sampling, noise.")] = _TRAIN.seed,
+    seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _TRAIN.seed,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also train non-privately.")] = False,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
     engine: Annotated[str, typer.Option(help="Gradient engine: auto, fast, vmap.")] = _TRAIN.engine,
@@ -287,7 +293,7 @@ def tune(
     optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
     lr: Annotated[float, typer.Option(help="Learning rate (ClipSearch, the default).")] = 0.01,
     out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed (splits, trial draws, training).")] = 0,
+    seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
 ) -> None:
     """Tune hyperparameters under privacy (guide §5.4), train the choice, report both costs."""
@@ -338,7 +344,7 @@ def federated(
         float, typer.Option(help="User-level ε to spend.")
     ] = _FED.target_epsilon,
     delta: Annotated[float | None, typer.Option(help="δ; default ≥ 10× below 1/users.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for split, init, sampling, noise.")] = _FED.seed,
+    seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _FED.seed,
     out: Annotated[Path | None, typer.Option(help="Run directory (default: runs/…).")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
 ) -> None:

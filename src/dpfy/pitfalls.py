@@ -149,6 +149,23 @@ def delta_too_large(facts: RunFacts) -> Iterator[Finding]:
         )
 
 
+@detector("seeded-randomness")
+def seeded_randomness(facts: RunFacts) -> Iterator[Finding]:
+    """A chosen seed makes the noise replayable: DP needs randomness the adversary cannot know."""
+    if facts.privacy.seeded:
+        yield Finding(
+            "seeded-randomness",
+            Severity.ERROR,
+            "sampling and noise were drawn from a chosen seed",
+            "the run was given seed= (or --seed): anyone who learns that seed can regenerate the "
+            "batches and subtract the noise, so the stated (ε, δ) holds only while the seed "
+            "stays secret.",
+            "for a model you release, leave the seed unset (sampling and noise from OS entropy, "
+            "the default) or use secure_noise=True; keep seeds for reproducible experiments.",
+            "§4.2",
+        )
+
+
 def _floor_log10(x: float) -> int:
     """The power of ten at or below ``x``."""
     exponent = 0

@@ -32,7 +32,9 @@ class TrainConfig:
     lr: float = 0.01
     optimizer: str = "adam"
     out: Path | None = None
-    seed: int = 0
+    #: Seeds sampling and noise (experiments only: the report flags a seeded run as not private
+    #: against anyone who knows the seed). None: OS entropy.
+    seed: int | None = None
     baseline: bool = False
     data_dir: Path | None = None
     engine: str = "auto"
@@ -46,3 +48,12 @@ class TrainConfig:
         if self.delta is not None:
             return self.delta
         return 10.0 ** -(math.ceil(math.log10(dataset_size)) + 1)
+
+
+def public_seed(seed: int | None) -> int:
+    """The seed for what is public anyway — model init, simulated splits, candidate grids.
+
+    An unset seed fixes these at 0 so that runs stay comparable, while sampling and noise (the
+    private randomness) come from OS entropy.
+    """
+    return 0 if seed is None else seed

@@ -286,6 +286,7 @@ def make_private(
         sampler=kind.value,
         microbatch_size=microbatch_size,
         loss_reduction=loss_reduction,
+        seeded=seed is not None,
     )
     try:  # every rank must agree before training; a refused model is left without hooks
         replicas.check_agreement({**asdict(privacy), "parameters": trainable_shapes(model)})

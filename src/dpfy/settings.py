@@ -31,6 +31,10 @@ class PrivacySettings:
     #: "dp-fedavg" / "dp-fedsgd" (each sampled user's model change after local training is what
     #: is clipped, dpfy.federated; guide alg. 2).
     algorithm: str = "dp-sgd"
+    #: Whether sampling and noise came from a generator seeded with a value the caller chose
+    #: (reproducible experiments). Anyone who knows the seed can replay the noise, so the ε holds
+    #: only while the seed stays secret; unseeded runs draw from OS entropy.
+    seeded: bool = False
 
     @property
     def sensitivity_factor(self) -> float:

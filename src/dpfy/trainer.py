@@ -26,7 +26,7 @@ from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.data.users import UserSplit, split_users
 from dpfy.distributed import current_replicas, launched_process_group
 from dpfy.models import build_model
-from dpfy.run_config import ALGORITHM_NAMES, UNIT_NAMES, TrainConfig
+from dpfy.run_config import ALGORITHM_NAMES, UNIT_NAMES, TrainConfig, public_seed
 from dpfy.session import PrivateTraining, make_private
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -184,10 +184,10 @@ def train_private(
 
 def train_baseline(config: TrainConfig, data: LoadedDataset) -> float:
     """The same model, optimizer and schedule without privacy: the accuracy DP is compared to."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(public_seed(config.seed))
     model = build_model(config.model, data.input_shape, data.num_classes)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(public_seed(config.seed))
     loader = DataLoader(data.train, batch_size=config.batch_size, shuffle=True, generator=generator)
     criterion = nn.CrossEntropyLoss()
     epochs = max(1, math.ceil(config.epochs))
@@ -203,7 +203,7 @@ def _user_split(config: TrainConfig, data: LoadedDataset) -> UserSplit | None:
     """At user level, the training split dealt to ``config.users`` skewed simulated users."""
     if config.unit != "user":
         return None
-    return split_users(data.train.tensors[1], config.users, seed=config.seed)
+    return split_users(data.train.tensors[1], config.users, seed=public_seed(config.seed))
 
 
 def run_training(config: TrainConfig, console: Console | None = None) -> TrainResult:
@@ -231,7 +231,7 @@ def _run_training(config: TrainConfig, console: Console | None = None) -> TrainR
     data = load_dataset(config.dataset, data_dir=config.data_dir)
     split = _user_split(config, data)
     delta = config.resolved_delta(len(data.train) if split is None else split.num_users)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(public_seed(config.seed))
     model = build_model(config.model, data.input_shape, data.num_classes)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
     private = make_private(

@@ -189,5 +189,6 @@ def make_user_private(
         unit="user",
         examples=int(ids.numel()),
         max_examples_per_user=max_examples_per_user,
+        seeded=seed is not None,
     )
     return PrivateTraining(model, private_optimizer, loader, ledger, grad_engine, privacy, noise)

@@ -42,7 +42,7 @@ class FederatedConfig:
     target_epsilon: float = 4.0
     delta: float | None = None
     accountant: str = "pld"
-    seed: int = 0
+    seed: int | None = None  # sampling and noise; None: OS entropy (see run_config.public_seed)
     out: Path | None = None
     data_dir: Path | None = None
 

@@ -26,6 +26,7 @@ from dpfy.federated.fedavg import DPFedAvg, calibrate_user_noise
 from dpfy.federated.simulation import simulate
 from dpfy.ledger import PrivacyLedger
 from dpfy.models import build_model
+from dpfy.run_config import public_seed
 
 __all__ = ["FederatedConfig", "FederatedResult", "federated_command", "run_federated"]
 
@@ -64,7 +65,8 @@ def run_federated(config: FederatedConfig, console: Console | None = None) -> Fe
     run_dir = prepare_run_dir(config.out or default_run_dir(config))
     started = time.perf_counter()
     data = load_dataset(config.dataset, data_dir=config.data_dir)
-    split = split_users(data.train.tensors[1], config.users, alpha=config.alpha, seed=config.seed)
+    labels = data.train.tensors[1]
+    split = split_users(labels, config.users, alpha=config.alpha, seed=public_seed(config.seed))
     sigma = calibrate_user_noise(
         config.target_epsilon,
         delta,
@@ -76,7 +78,7 @@ def run_federated(config: FederatedConfig, console: Console | None = None) -> Fe
     ledger = PrivacyLedger(
         delta, accountant=config.accountant, target_epsilon=config.target_epsilon
     )
-    torch.manual_seed(config.seed)
+    torch.manual_seed(public_seed(config.seed))
     model = build_model(config.model, data.input_shape, data.num_classes)
     algorithm = config.fedavg(sigma)
     trainer = DPFedAvg(
@@ -168,6 +170,7 @@ def federated_facts(
         examples=split.num_examples,
         max_examples_per_user=None,
         algorithm="dp-fedsgd" if algorithm.algorithm == "DP-FedSGD" else "dp-fedavg",
+        seeded=config.seed is not None,
     )
     local = (
         "the full local data"

@@ -129,6 +129,7 @@ def make_private_ftrl(
         microbatch_size=microbatch_size,
         loss_reduction=loss_reduction,
         algorithm="dp-ftrl",
+        seeded=seed is not None,
     )
     return PrivateTraining(
         model, private_optimizer, run_loader, ledger, grad_engine, privacy, noise

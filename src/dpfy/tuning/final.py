@@ -20,6 +20,7 @@ from dpfy.data.datasets import LoadedDataset
 from dpfy.facts import ResultFacts, collect_facts, record_clip_norms
 from dpfy.models import build_model
 from dpfy.report import write_report
+from dpfy.run_config import public_seed
 from dpfy.session import make_private
 from dpfy.trainer import OPTIMIZERS, accuracy, train_private
 from dpfy.tuning.trial import TrialConfig
@@ -39,7 +40,7 @@ def train_final(
     dataset_name: str,
 ) -> dict[str, Any]:
     """Train ``config`` at ``target_epsilon``; record ``tuning`` in its ledger; maybe report."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(public_seed(config.seed))
     model = build_model(config.model, data.input_shape, data.num_classes)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
     private = make_private(

@@ -27,6 +27,7 @@ from torch.utils.data import TensorDataset
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.accounting.events import GaussianEvent
 from dpfy.data.datasets import LoadedDataset, load_dataset
+from dpfy.run_config import public_seed
 from dpfy.tuning.clip_search import DEFAULT_CLIP_GRID, ClipSearch
 from dpfy.tuning.cost import TuningSpec, get_method
 from dpfy.tuning.random_search import RandomSearch
@@ -68,7 +69,7 @@ class TuneConfig:
     public_fraction: float = 0.3
     compare_default: bool = True
     out: Path | None = None
-    seed: int = 0
+    seed: int | None = None  # private randomness; None: OS entropy (run_config.public_seed)
     data_dir: Path | None = None
     limit: int | None = None
 
@@ -87,15 +88,15 @@ SEARCHES: dict[str, SearchBuilder] = {
     "clip": lambda c, sigma: ClipSearch(
         grid=c.clip_grid, tolerance=c.tolerance, lr=c.lr, noise_multiplier=sigma,
         epochs=c.trial_epochs, batch_size=c.batch_size, model=c.model, optimizer=c.optimizer,
-        seed=c.seed,
+        seed=public_seed(c.seed),
     ),
     "lr-clip": lambda c, sigma: LrClipSweep(
         lrs=c.lr_grid, clips=c.sweep_clips, noise_multiplier=sigma, epochs=c.trial_epochs,
-        batch_size=c.batch_size, model=c.model, optimizer=c.optimizer, seed=c.seed,
+        batch_size=c.batch_size, model=c.model, optimizer=c.optimizer, seed=public_seed(c.seed),
     ),
     "random": lambda c, sigma: RandomSearch(
         count=c.trials, noise_multiplier=sigma, epochs=c.trial_epochs, batch_size=c.batch_size,
-        model=c.model, optimizer=c.optimizer, seed=c.seed,
+        model=c.model, optimizer=c.optimizer, seed=public_seed(c.seed),
     ),
 }  # fmt: skip
 
@@ -146,13 +147,13 @@ class Splits:
 
 def make_splits(data: LoadedDataset, config: TuneConfig, public: bool) -> Splits:
     """Validation = a seeded half of the test split; public tuning gets a disjoint train part."""
-    validation_idx, test_idx = split_indices(len(data.test), 0.5, config.seed)
+    validation_idx, test_idx = split_indices(len(data.test), 0.5, public_seed(config.seed))
     validation = _take(data.test, validation_idx)
     final_test = _take(data.test, test_idx)
     private_train, tuning_train, public_size = data.train, data.train, 0
     if public:
         public_idx, private_idx = split_indices(
-            len(data.train), config.public_fraction, config.seed + 1
+            len(data.train), config.public_fraction, public_seed(config.seed) + 1
         )
         tuning_train = _take(data.train, public_idx)
         private_train = _take(data.train, private_idx)

@@ -23,6 +23,7 @@ from dpfy._validate import check_count, check_positive, check_range
 from dpfy.accounting.events import DpEvent
 from dpfy.facts import record_clip_norms
 from dpfy.models import build_model
+from dpfy.run_config import public_seed
 from dpfy.session import make_private
 from dpfy.trainer import OPTIMIZERS, accuracy
 
@@ -42,7 +43,7 @@ class TrialConfig:
     batch_size: int = 128
     model: str = "mlp"
     optimizer: str = "adam"
-    seed: int = 0
+    seed: int | None = 0  # sampling and noise of the run; None: OS entropy
 
     def __post_init__(self) -> None:
         check_positive("max_grad_norm", self.max_grad_norm)
@@ -114,7 +115,7 @@ def _sampling_event(private: object) -> DpEvent:
 
 def run_trial(config: TrialConfig, data: TuningData, delta: float) -> TrialResult:
     """Train ``config`` privately on ``data.train`` and count correct validation predictions."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(public_seed(config.seed))
     model = build_model(config.model, data.input_shape, data.num_classes)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
     zero_noise = config.noise_multiplier == 0.0
