@@ -138,7 +138,8 @@ class DPOptimizer(torch.optim.Optimizer):
             raise NonFiniteGradientError(
                 "a per-example gradient is NaN or infinite (a non-finite loss?); the step was not "
                 "applied and the model and ledger are unchanged — check the inputs and the loss, "
-                "or lower the learning rate"
+                "or lower the learning rate, then reload the last checkpoint. Do not catch this "
+                "and train on: skipping a batch because of one example is not accounted"
             )
         if not self.boundary.closes_batch:
             return loss
