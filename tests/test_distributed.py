@@ -249,6 +249,9 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     results["out_of_step"] = _out_of_step(rank)
     results["failure"] = _rank_failure(rank, outdir)
     torch.save(results, outdir / f"rank{rank}.pt")
+    # The failure scenario left the process group broken; tearing it down at interpreter exit can
+    # abort inside gloo (a worker thread still joinable). Everything is written: leave at once.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
