@@ -14,6 +14,7 @@ from dpfy.tuning.pipeline import TuneConfig, run_tuning
 
 
 def _run(tmp_path: Path, **changes: object) -> dict:
+    changes.setdefault("seed", 0)  # an experiment: tuned and untuned runs see the same noise
     config = TuneConfig(out=tmp_path / "tune", **changes)  # type: ignore[arg-type]
     return run_tuning(config).summary
 
