@@ -135,8 +135,8 @@ def epsilon_curve(source: Any, *, points: int = CURVE_POINTS) -> EpsilonCurve:
     )
 
 
-def _save(figure: Figure, path: str | os.PathLike[str]) -> Path:
-    """Render a figure to PNG on the Agg canvas."""
+def save_png(figure: Figure, path: str | os.PathLike[str]) -> Path:
+    """Render a figure to PNG on the Agg canvas (every dpfy plot is written this way)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)
@@ -182,7 +182,7 @@ def plot_epsilon_curve(
     caveat = "" if curve.assumptions_met else "\nunder the Poisson assumption, which was NOT met"
     axes.set_title(f"Privacy spent by training ({curve.relation} adjacency){caveat}", fontsize=10)
     figure.tight_layout()
-    _save(figure, path)
+    save_png(figure, path)
     return curve
 
 
@@ -232,7 +232,7 @@ def plot_training_curves(
     acc_axes.set_xlabel("training steps")
     figure.suptitle("Private training: loss and accuracy against steps", fontsize=10)
     figure.tight_layout()
-    _save(figure, path)
+    save_png(figure, path)
     return TrainingCurves(tuple(int(row["step"]) for row in history), series)
 
 

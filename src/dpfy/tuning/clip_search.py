@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfy._validate import check_positive
-from dpfy.tuning.search import check_grid, check_tolerance
+from dpfy.tuning.search import check_grid, check_tolerance, trial_at
 from dpfy.tuning.trial import TrialConfig, TrialResult
 
 DEFAULT_CLIP_GRID = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -96,7 +96,7 @@ class ClipSearch:
     batch_size: int = 128
     model: str = "mlp"
     optimizer: str = "adam"
-    seed: int = 0
+    seed: int | None = 0
     name: str = "clip"
 
     def __post_init__(self) -> None:
@@ -106,19 +106,7 @@ class ClipSearch:
 
     def candidates(self) -> list[TrialConfig]:
         """One short run per C in the grid."""
-        return [
-            TrialConfig(
-                max_grad_norm=c,
-                lr=self.lr,
-                noise_multiplier=self.noise_multiplier,
-                epochs=self.epochs,
-                batch_size=self.batch_size,
-                model=self.model,
-                optimizer=self.optimizer,
-                seed=self.seed,
-            )
-            for c in self.grid
-        ]
+        return [trial_at(self, c, self.lr) for c in self.grid]
 
     def summarise(self, results: Sequence[TrialResult], chosen: float | None = None) -> ClipChoice:
         """Mean accuracy per C tried, the chosen C and the gradient-norm distribution.

@@ -14,28 +14,17 @@ import os
 from pathlib import Path
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from dpfy.plots import save_png
 from dpfy.tuning.sweep import SweepGrid
-
-_DPI = 120
-
-
-def _save(figure: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write the figure as PNG, creating the folder."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(figure)
-    figure.savefig(target, format="png", dpi=_DPI)
-    return target
 
 
 def plot_lr_clip_heatmap(
     grid: SweepGrid, path: str | os.PathLike[str], *, noise_multiplier: float | None = None
 ) -> Path:
     """Write :func:`heatmap_figure` as a PNG."""
-    return _save(heatmap_figure(grid, noise_multiplier=noise_multiplier), path)
+    return save_png(heatmap_figure(grid, noise_multiplier=noise_multiplier), path)
 
 
 def heatmap_figure(grid: SweepGrid, *, noise_multiplier: float | None = None) -> Figure:
@@ -84,7 +73,7 @@ def plot_grad_norms(
     default_clip: float | None = None,
 ) -> Path:
     """Write :func:`grad_norms_figure` as a PNG."""
-    return _save(grad_norms_figure(norms, clip, default_clip=default_clip), path)
+    return save_png(grad_norms_figure(norms, clip, default_clip=default_clip), path)
 
 
 def grad_norms_figure(
@@ -133,7 +122,7 @@ def plot_clip_search(
     path: str | os.PathLike[str],
 ) -> Path:
     """Write :func:`clip_search_figure` as a PNG."""
-    return _save(clip_search_figure(accuracy_by_clip, chosen, tolerance), path)
+    return save_png(clip_search_figure(accuracy_by_clip, chosen, tolerance), path)
 
 
 def clip_search_figure(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfy._validate import check_count, check_positive
-from dpfy.tuning.search import accuracy_rank, best_by_accuracy
+from dpfy.tuning.search import accuracy_rank, best_by_accuracy, trial_at
 from dpfy.tuning.trial import TrialConfig, TrialResult
 
 
@@ -36,7 +36,7 @@ class RandomSearch:
     batch_size: int = 128
     model: str = "mlp"
     optimizer: str = "adam"
-    seed: int = 0
+    seed: int | None = 0
     name: str = "random"
 
     def __post_init__(self) -> None:
@@ -50,17 +50,7 @@ class RandomSearch:
         logs = np.log([self.lr_range, self.clip_range])
         draws = rng.uniform(logs[:, 0], logs[:, 1], size=(self.count, 2))
         return [
-            TrialConfig(
-                max_grad_norm=float(f"{np.exp(c):.4g}"),
-                lr=float(f"{np.exp(lr):.4g}"),
-                noise_multiplier=self.noise_multiplier,
-                epochs=self.epochs,
-                batch_size=self.batch_size,
-                model=self.model,
-                optimizer=self.optimizer,
-                seed=self.seed,
-            )
-            for lr, c in draws
+            trial_at(self, float(f"{np.exp(c):.4g}"), float(f"{np.exp(lr):.4g}")) for lr, c in draws
         ]
 
     def choose(self, results: Sequence[TrialResult]) -> TrialResult:

@@ -35,6 +35,31 @@ class Search(Protocol):
         ...
 
 
+class Schedule(Protocol):
+    """The settings every candidate of one search shares; only C and the learning rate vary."""
+
+    noise_multiplier: float
+    epochs: float
+    batch_size: int
+    model: str
+    optimizer: str
+    seed: int | None
+
+
+def trial_at(schedule: Schedule, max_grad_norm: float, lr: float) -> TrialConfig:
+    """The candidate at (C, lr) on the search's shared schedule."""
+    return TrialConfig(
+        max_grad_norm=max_grad_norm,
+        lr=lr,
+        noise_multiplier=schedule.noise_multiplier,
+        epochs=schedule.epochs,
+        batch_size=schedule.batch_size,
+        model=schedule.model,
+        optimizer=schedule.optimizer,
+        seed=schedule.seed,
+    )
+
+
 def check_tolerance(tolerance: float) -> float:
     """A relative tolerance lies strictly inside (0, 1)."""
     try:
@@ -71,4 +96,12 @@ def accuracy_rank(result: TrialResult) -> tuple[float, ...]:
     return (result.accuracy, -result.config.max_grad_norm, -result.config.lr)
 
 
-__all__ = ["Search", "accuracy_rank", "best_by_accuracy", "check_grid", "check_tolerance"]
+__all__ = [
+    "Schedule",
+    "Search",
+    "accuracy_rank",
+    "best_by_accuracy",
+    "check_grid",
+    "check_tolerance",
+    "trial_at",
+]

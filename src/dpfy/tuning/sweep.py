@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfy._validate import check_positive
-from dpfy.tuning.search import accuracy_rank, best_by_accuracy, check_grid
+from dpfy.tuning.search import accuracy_rank, best_by_accuracy, check_grid, trial_at
 from dpfy.tuning.trial import TrialConfig, TrialResult
 
 DEFAULT_LR_GRID = (0.001, 0.003, 0.01, 0.03, 0.1)
@@ -51,7 +51,7 @@ class LrClipSweep:
     batch_size: int = 128
     model: str = "mlp"
     optimizer: str = "sgd"
-    seed: int = 0
+    seed: int | None = 0
     name: str = "lr-clip"
 
     def __post_init__(self) -> None:
@@ -61,20 +61,7 @@ class LrClipSweep:
 
     def candidates(self) -> list[TrialConfig]:
         """One short run per (lr, C)."""
-        return [
-            TrialConfig(
-                max_grad_norm=c,
-                lr=lr,
-                noise_multiplier=self.noise_multiplier,
-                epochs=self.epochs,
-                batch_size=self.batch_size,
-                model=self.model,
-                optimizer=self.optimizer,
-                seed=self.seed,
-            )
-            for lr in self.lrs
-            for c in self.clips
-        ]
+        return [trial_at(self, c, lr) for lr in self.lrs for c in self.clips]
 
     def grid(self, results: Sequence[TrialResult], chosen: TrialResult) -> SweepGrid:
         """Mean accuracy per (lr, C) run, with the chosen pair."""
