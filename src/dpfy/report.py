@@ -138,6 +138,14 @@ def _dp_setting(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any
             f"protected. Protection covers features and labels (full-training DP via {federated},"
             " guide §3.1–§3.2, §4.4)."
         )
+    ranks = facts.privacy.world_size
+    if ranks > 1:  # dpfy.distributed: the ranks and their all-reduce are the trusted curator
+        statement += (
+            f" Training ran in {ranks} processes (torch.distributed): each Poisson-sampled its "
+            "shard of the data at the same q and added an independent noise share, the shares "
+            "summing to one N(0, σ²C²) on the all-reduced sum; the processes and the channel "
+            "between them are trusted. Diagnostics below cover rank 0's shard only."
+        )
     return {"model": "central", "curator": "trusted", "statement": statement}
 
 

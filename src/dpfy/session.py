@@ -105,6 +105,7 @@ class PrivateTraining:
                 f"unsupported dpfy checkpoint version {state.get('version')!r} "
                 f"(this dpfy reads version {CHECKPOINT_VERSION}); nothing was loaded"
             )
+        self.replicas.mine(state.get("loader"))  # another number of ranks: refused by name
         saved = state.get("settings")
         if saved != asdict(self.settings):
             raise ValueError(
@@ -287,6 +288,7 @@ def make_private(
         microbatch_size=microbatch_size,
         loss_reduction=loss_reduction,
         seeded=seed is not None,
+        world_size=replicas.world_size,
     )
     try:  # every rank must agree before training; a refused model is left without hooks
         replicas.check_agreement({**asdict(privacy), "parameters": trainable_shapes(model)})

@@ -35,6 +35,8 @@ class PrivacySettings:
     #: (reproducible experiments). Anyone who knows the seed can replay the noise, so the ε holds
     #: only while the seed stays secret; unseeded runs draw from OS entropy.
     seeded: bool = False
+    #: Processes that trained the run together (dpfy.distributed); 1 for one process.
+    world_size: int = 1
 
     @property
     def sensitivity_factor(self) -> float:
