@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from torch.utils.data import Dataset
 
 from dpfy._validate import check_count, check_delta, check_positive
 from dpfy.accounting.calibrate import smallest_noise_multiplier
-from dpfy.accounting.events import NeighbouringRelation, SelfComposedEvent
+from dpfy.accounting.events import DpEvent, NeighbouringRelation, SelfComposedEvent
 from dpfy.checks import check_model
 from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.records import SamplingKind, SamplingRecord
@@ -451,7 +452,29 @@ def _noise_multiplier(
     accountant: str,
     relation: NeighbouringRelation,
 ) -> float:
-    """σ given directly, or the smallest σ that meets the target for this run's events."""
+    """σ given directly, or the smallest σ that meets the target for ``steps`` of ``record``."""
+    return resolve_sigma(
+        target_epsilon,
+        noise_multiplier,
+        delta,
+        lambda sigma: SelfComposedEvent(record.event(sigma), steps),
+        accountant,
+        relation,
+    )
+
+
+def resolve_sigma(
+    target_epsilon: float | None,
+    noise_multiplier: float | None,
+    delta: float,
+    run_events: Callable[[float], DpEvent],
+    accountant: str,
+    relation: NeighbouringRelation,
+) -> float:
+    """σ given directly, or the smallest σ whose run (``run_events(σ)``) meets the target.
+
+    Every builder calibrates against exactly the events its ledger will record.
+    """
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ValueError(
             "give exactly one of target_epsilon= (σ is calibrated) or noise_multiplier="
@@ -459,7 +482,7 @@ def _noise_multiplier(
     if noise_multiplier is not None:
         return check_positive("noise_multiplier", noise_multiplier)
     return smallest_noise_multiplier(
-        lambda sigma: SelfComposedEvent(record.event(sigma), steps),
+        run_events,
         check_positive("target_epsilon", target_epsilon),
         delta,
         accountant=accountant,

@@ -18,7 +18,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dpfy._validate import check_count, check_positive
-from dpfy.accounting.calibrate import smallest_noise_multiplier
 from dpfy.accounting.events import NeighbouringRelation
 from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.records import SamplingKind
@@ -33,6 +32,7 @@ from dpfy.session import (
     PrivateTraining,
     check_common,
     noise_source,
+    resolve_sigma,
     seeded_generator,
     warn_if_delta_too_large,
     with_virtual_batches,
@@ -155,18 +155,13 @@ def _sigma(
     accountant: str,
 ) -> float:
     """σ as given, or the smallest σ whose tree events (as the ledger will compose them) fit."""
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError(
-            "give exactly one of target_epsilon= (σ is calibrated) or noise_multiplier="
-        )
-    if noise_multiplier is not None:
-        return check_positive("noise_multiplier", noise_multiplier)
-    return smallest_noise_multiplier(
-        lambda sigma: ftrl_step_events(sigma, steps, per_epoch, restart_every),
-        check_positive("target_epsilon", target_epsilon),
+    return resolve_sigma(
+        target_epsilon,
+        noise_multiplier,
         delta,
-        accountant=accountant,
-        relation=RELATION,
+        lambda sigma: ftrl_step_events(sigma, steps, per_epoch, restart_every),
+        accountant,
+        RELATION,
     )
 
 
