@@ -216,16 +216,20 @@ class PrivacyLedger:
         if not isinstance(step, StepRecord):
             raise ValueError(f"expected a StepRecord, got {type(step).__name__}")
         self._check_relation(relation)
-        units = {e.step.sampling.unit for e in self._entries if e.step is not None}
-        if units and step.sampling.unit not in units:
+        unit = self._training_unit()
+        if unit is not None and step.sampling.unit != unit:
             raise ValueError(
-                f"unit of privacy mismatch: this ledger accounts {units.pop()}-level steps but "
+                f"unit of privacy mismatch: this ledger accounts {unit}-level steps but "
                 f"the step sampled {step.sampling.unit}s; ε for different units of privacy "
                 "cannot be composed (guide §2.1) — keep one unit for the run"
             )
         event = step.event
         self._check_supported(event)
         return event
+
+    def _training_unit(self) -> str | None:
+        """The unit of the first recorded step; every later step is checked against it."""
+        return next((e.step.sampling.unit for e in self._entries if e.step is not None), None)
 
     def _check_relation(self, relation: NeighbouringRelation | str | None) -> None:
         """Refuse a record derived under another neighbouring relation (DESIGN rule 7)."""

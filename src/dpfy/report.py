@@ -158,16 +158,19 @@ _ALGORITHMS = {"dp-sgd": "DP-SGD", "dp-ftrl": "DP-FTRL (Kairouz et al. 2021)", *
 def _released(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
     """What leaves the curator; everything computed from DP outputs is post-processing (§2.2)."""
     outputs = facts.training.released
+    federated = facts.privacy.algorithm in _FEDERATED  # rounds of noised averages of changes
+    noised = (
+        "the noised averages of clipped user model changes"
+        if federated
+        else ("the noised gradients")
+    )
+    steps = "noised rounds" if federated else "noised gradient steps"
     statement = (
         f"Released: {RELEASES[outputs]}. Released models are computed only from their "
-        "public initialisation and the noised gradients, so they are post-processing of the "
-        "DP outputs and carry the same guarantee (guide §2.2); the ε below covers all "
-        f"{facts.training.steps_taken} noised gradient steps."
+        f"public initialisation and {noised}, so they are post-processing of the DP outputs and "
+        "carry the same guarantee (guide §2.2); the ε below covers all "
+        f"{facts.training.steps_taken} {steps}."
     )
-    if facts.privacy.algorithm in _FEDERATED:  # rounds of noised averages of model changes
-        statement = statement.replace(
-            "the noised gradients", "the noised averages of clipped user model changes"
-        ).replace("noised gradient steps", "noised rounds")
     return {"outputs": outputs, "statement": statement}
 
 
