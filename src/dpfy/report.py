@@ -160,9 +160,7 @@ def _released(facts: RunFacts, findings: tuple[Finding, ...]) -> dict[str, Any]:
     outputs = facts.training.released
     federated = facts.privacy.algorithm in _FEDERATED  # rounds of noised averages of changes
     noised = (
-        "the noised averages of clipped user model changes"
-        if federated
-        else ("the noised gradients")
+        "the noised averages of clipped user model changes" if federated else "the noised gradients"
     )
     steps = "noised rounds" if federated else "noised gradient steps"
     statement = (
