@@ -52,7 +52,6 @@ from torch import Tensor, nn
 from dpfy.data.records import SamplingKind
 from dpfy.data.sampling import DpBatchSampler, sampling_rate_for
 from dpfy.data.sharding import ShardedPoissonSampler
-from dpfy.noise import NoiseSource, add_noise_
 
 T = TypeVar("T")
 _SEED_PURPOSES = {"sampling": 0, "noise": 1}
@@ -72,12 +71,19 @@ class RankMismatch(ValueError):
 
 
 class GradientAggregator(Protocol):
-    """Turns this rank's clipped sums into the noisy total the optimizer divides by B."""
+    """Turns this rank's noised clipped sums into the noisy total the optimizer divides by B.
 
-    def privatise(
-        self, sums: dict[str, Tensor], std: float, noise: NoiseSource
-    ) -> dict[str, Tensor]:
-        """Σ over all ranks of the clipped sums plus N(0, std²) noise in total, per coordinate."""
+    Each rank adds its own noise share of std ``share_std(std)`` to its clipped sum (the
+    optimizer draws it ahead, :mod:`dpfy.noise_ahead`); ``combine`` sums those over the ranks,
+    so the total carries N(0, std²) per coordinate exactly once.
+    """
+
+    def share_std(self, std: float) -> float:
+        """The std of this rank's share, so that the shares of all ranks add up to ``std``."""
+        ...
+
+    def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Σ over all ranks of each rank's noised clipped sums, per parameter."""
         ...
 
     def skip(self) -> None:
@@ -88,15 +94,13 @@ class GradientAggregator(Protocol):
 class LocalAggregator:
     """One process: the clipped sum plus the whole noise, no communication."""
 
-    def privatise(
-        self, sums: dict[str, Tensor], std: float, noise: NoiseSource
-    ) -> dict[str, Tensor]:
-        """Sum + N(0, std²) per coordinate, added in place: the engine's sums become the result.
+    def share_std(self, std: float) -> float:
+        """The only rank adds all the noise."""
+        return std
 
-        In place and in chunks, so a step holds no second parameter-sized buffer; the engine is
-        reset right after the update, so nothing reads the consumed sums.
-        """
-        return {name: add_noise_(total, std, noise) for name, total in sums.items()}
+    def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Nothing to sum over: this rank's noised sums are the total."""
+        return noised
 
     def skip(self) -> None:
         """Nothing to keep in step with."""
@@ -327,13 +331,14 @@ class AllReduceAggregator:
         self.replicas = replicas
         self.sequence = 0  # logical batches this rank has finished (aggregated or skipped)
 
-    def privatise(
-        self, sums: dict[str, Tensor], std: float, noise: NoiseSource
-    ) -> dict[str, Tensor]:
+    def share_std(self, std: float) -> float:
+        """std/√W: W independent shares add up to variance std²."""
+        return std / math.sqrt(self.replicas.world_size)
+
+    def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
         """The noisy global clipped sum, identical on every rank; nothing changes on failure."""
-        share = std / math.sqrt(self.replicas.world_size)
         self._check_in_step()
-        noised = {name: total + noise.normal(total, share) for name, total in sums.items()}
+        noised = dict(noised)
         for group in _by_dtype_and_device(noised).values():
             flat = torch.cat([noised[name].reshape(-1) for name in group])
             self.replicas.run("all-reduce of the clipped sums", lambda f=flat: _all_reduce(f))

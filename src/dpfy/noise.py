@@ -20,10 +20,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-#: Coordinates per draw when noise is added in place: a step then holds one noise buffer of at
-#: most this size (1 MiB in float32) instead of one as large as the largest parameter.
-NOISE_CHUNK = 1 << 18
-
 
 class NoiseSource(Protocol):
     """Draws i.i.d. N(0, std²) noise shaped like a tensor."""
@@ -44,11 +40,9 @@ class TorchNoise:
             self.generator.manual_seed(seed)
 
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
-        """Noise on the generator's device, moved to ``like``'s."""
-        noise = torch.randn(
-            like.shape, generator=self.generator, dtype=like.dtype, device=self.generator.device
-        )
-        return noise.mul_(std).to(like.device)
+        """Noise on the generator's device, moved to ``like``'s (std applied inside the draw)."""
+        noise = torch.empty(like.shape, dtype=like.dtype, device=self.generator.device)
+        return noise.normal_(0.0, std, generator=self.generator).to(like.device)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The generator state, so a resumed run continues the same stream."""
@@ -82,18 +76,3 @@ class SecureNoise:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Nothing to restore: every draw is fresh from the OS."""
-
-
-def add_noise_(tensor: torch.Tensor, std: float, source: NoiseSource) -> torch.Tensor:
-    """``tensor += N(0, std²)`` per coordinate, in place, drawn in chunks of ``NOISE_CHUNK``.
-
-    Every coordinate gets its own fresh draw; chunking only bounds the memory the draw needs.
-    """
-    with torch.no_grad():
-        if not tensor.is_contiguous():
-            return tensor.add_(source.normal(tensor, std))
-        flat = tensor.view(-1)
-        for start in range(0, flat.numel(), NOISE_CHUNK):
-            chunk = flat[start : start + NOISE_CHUNK]
-            chunk.add_(source.normal(chunk, std))
-    return tensor

@@ -11,6 +11,10 @@ Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enfor
 - microbatch clipping of averages (guide alg. 3) has sensitivity 2C, so the noise std is 2σC and
   the sum is divided by the expected number of microbatches (rule 6);
 - the ledger's budget guard runs before anything changes (rule 9).
+
+The noise does not depend on the data, so it is drawn ahead: ``zero_grad()`` opening a logical
+batch starts the draw on a worker thread (:mod:`dpfy.noise_ahead`) while the model computes, and
+the engine adds the clipped sums into the drawn buffers in place.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dpfy.distributed import GradientAggregator, LocalAggregator
 from dpfy.grads import ClipResult, GradEngine, LossReduction
 from dpfy.ledger import PrivacyLedger, StepRecord
 from dpfy.noise import NoiseSource, TorchNoise
+from dpfy.noise_ahead import NoiseAhead
 
 
 class NonFiniteGradientError(ValueError):
@@ -116,9 +121,28 @@ class DPOptimizer(torch.optim.Optimizer):
         self.aggregator = aggregator if aggregator is not None else LocalAggregator()
         self.clip_observers: list[Callable[[ClipResult], None]] = []
 
+    @property
+    def noise(self) -> NoiseAhead:
+        """Where the noise comes from (any source is wrapped to be drawn ahead)."""
+        return self._noise
+
+    @noise.setter
+    def noise(self, source: NoiseSource) -> None:
+        self._noise = source if isinstance(source, NoiseAhead) else NoiseAhead(source)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``p.grad``; the clipped sum of a logical batch in progress is kept."""
+        """Clear ``p.grad``; opening a logical batch also starts drawing its noise meanwhile.
+
+        The clipped sum of a logical batch in progress (virtual batching) is kept.
+        """
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        if not self.engine.summing:
+            self.noise.prepare(self.engine.params, self._noise_share)
+
+    @property
+    def _noise_share(self) -> float:
+        """Std of the noise this process adds: σ·sensitivity, split over the ranks."""
+        return self.aggregator.share_std(self.settings.noise_std)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Clip this batch; at the end of a logical batch, noise, account, and update.
@@ -129,6 +153,8 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.engine.summing:  # the batch's sum starts from its noise (drawn once, used once)
+            self.engine.begin_sum(self.noise.take(self.engine.params, self._noise_share))
         result = self._clip()
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
@@ -169,11 +195,11 @@ class DPOptimizer(torch.optim.Optimizer):
     def _write_private_grads(self) -> None:
         """p.grad = (clipped sum + N(0, (σ·sensitivity)²)) / expected units, for every param.
 
-        The aggregator adds the noise (and, across ranks, sums the shares: dpfy.distributed).
+        The engine's sum began from this batch's noise; across ranks the aggregator sums the
+        ranks' noised shares (dpfy.distributed).
         """
-        std = self.settings.noise_std
         divisor = self.settings.divisor
-        noisy = self.aggregator.privatise(self.engine.summed_grads(), std, self.noise)
+        noisy = self.aggregator.combine(self.engine.summed_grads())
         for name, total in noisy.items():
             self.engine.params[name].grad = total.div_(divisor)
 

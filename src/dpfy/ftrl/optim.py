@@ -117,6 +117,10 @@ class DPFTRLOptimizer(DPOptimizer):
         self.steps_done = 0
         self._skipped = False  # a batch was drawn but not stepped (non-finite gradient)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` (the tree draws its own noise: nothing is drawn ahead)."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Clip this batch; at the end of a logical batch, account, add tree noise and update."""
         loss = None

@@ -143,10 +143,31 @@ class GradEngine:
         scale = scale.to(sq.device, sq.dtype)
         norms = sq.clamp_min(0).sqrt() * scale
         factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
-        for name, value in self._unit_weighted_sums(factors * scale).items():
-            self._add(name, value)
+        self._accumulate(factors * scale)
         self.num_examples += n
         return ClipResult(norms.detach(), n, units.count)
+
+    def begin_sum(self, initial: dict[str, Tensor]) -> None:
+        """Start the next logical batch's sum from ``initial`` (e.g. its noise), not from zeros.
+
+        The engine then owns these tensors and adds every clipped sum into them in place, so a
+        private step holds one parameter-sized buffer, not two. One tensor per trainable
+        parameter, shaped like it.
+        """
+        self._require_attached()
+        if self._acc or self.num_examples:
+            raise RuntimeError("a logical batch is already being summed; reset() it first")
+        if set(initial) != set(self.params):
+            raise ValueError("begin_sum needs one tensor for every trainable parameter")
+        for name, value in initial.items():
+            if value.shape != self.params[name].shape:
+                raise ValueError(f"begin_sum: '{name}' has shape {tuple(value.shape)}")
+        self._acc = {name: value.detach() for name, value in initial.items()}
+
+    @property
+    def summing(self) -> bool:
+        """Whether a logical batch's sum is open (begun, or something was accumulated)."""
+        return bool(self._acc)
 
     def summed_grads(self) -> dict[str, Tensor]:
         """The accumulated clipped sum for every trainable parameter (zeros where none came)."""
@@ -185,6 +206,11 @@ class GradEngine:
     def _unit_weighted_sums(self, weights: Tensor) -> dict[str, Tensor]:
         """Σ_u weights[u]·grad_u by parameter name, for the calls of the last norms."""
         raise NotImplementedError
+
+    def _accumulate(self, weights: Tensor) -> None:
+        """Add Σ_u weights[u]·grad_u into the accumulator (engines may add in place)."""
+        for name, value in self._unit_weighted_sums(weights).items():
+            self._add(name, value)
 
     def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
         """Engine-specific refusals (the fast engine refuses repeated calls)."""
@@ -275,10 +301,13 @@ class GradEngine:
         return values.pop() if values else 0
 
     def _add(self, name: str, value: Tensor) -> None:
-        """Add one parameter's clipped sum into the accumulator."""
+        """Add one parameter's clipped sum into the accumulator (in place once it exists)."""
         param = self.params[name]
         value = value.reshape(param.shape).to(param.dtype)
-        self._acc[name] = self._acc[name] + value if name in self._acc else value.detach()
+        if name in self._acc:
+            self._acc[name].add_(value)
+        else:  # the first sum becomes the accumulator: rules return freshly computed tensors
+            self._acc[name] = value.detach()
 
     def _release(self) -> None:
         """Drop captured tensors and the non-private gradients of the backward pass."""

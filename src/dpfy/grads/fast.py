@@ -82,21 +82,25 @@ class FastEngine(GradEngine):
         assert total is not None
         return total
 
-    def _unit_weighted_sums(self, weights: Tensor) -> dict[str, Tensor]:
-        """Each layer's clipped sum, keyed by the parameter's name in the model."""
-        out: dict[str, Tensor] = {}
+    def _accumulate(self, weights: Tensor) -> None:
+        """Add each layer's clipped sum into the running sum (in place where its rule can)."""
         try:
             while self._pending:  # release each layer's captures as soon as it is summed
                 tap, rule, call, grouped = self._pending.pop()
+                names = {
+                    local: self._names[id(getattr(tap.module, local))] for local in tap.trainable
+                }
                 if grouped is not None:
                     sums = {name: weights.to(g.dtype) @ g for name, g in grouped.items()}
                 else:
-                    sums = rule.clipped_sum(tap.module, call, weights)
+                    into = {
+                        local: self._acc[name] for local, name in names.items() if name in self._acc
+                    }
+                    sums = rule.add_clipped_sum(tap.module, call, weights, into)
                 call.release()
                 release(tap)
                 del call, grouped
                 for local, value in sums.items():
-                    out[self._names[id(getattr(tap.module, local))]] = value
+                    self._add(names[local], value)
         finally:
             self._pending = []
-        return out

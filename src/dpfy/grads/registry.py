@@ -5,7 +5,8 @@ A rule is a small class of pure static functions with one shared signature:
 * ``sq_norms(layer, call) -> Tensor[U]``: the squared norm of each clipping unit's gradient with
   respect to the layer's *own* trainable parameters (a unit is one example, or one microbatch);
 * ``clipped_sum(layer, call, weights) -> dict[str, Tensor]``: ``Σ_u weights[u] · grad_u`` for each
-  of the layer's own trainable parameters, computed without materialising ``grad_u``.
+  of the layer's own trainable parameters, computed without materialising ``grad_u``;
+  ``add_clipped_sum`` may instead add it into the engine's running sum in place.
 
 Rules are registered with :func:`register_rule` and looked up with :func:`find_rule`; the engines
 never dispatch on layer types with if/elif.
@@ -13,7 +14,7 @@ never dispatch on layer types with if/elif.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from torch import Tensor, nn
@@ -61,6 +62,19 @@ class LayerRule:
     def clipped_sum(layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
         """Weighted sum of per-unit gradients, by parameter name, never materialising them."""
         raise NotImplementedError
+
+    @classmethod
+    def add_clipped_sum(
+        cls, layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Add the weighted sum into ``into[name]`` in place where that saves a temporary.
+
+        ``into`` holds the engine's running sum (shaped like the parameter) for the parameters
+        that already have one. Rules of large layers add their product straight into it (e.g.
+        ``addmm_``), so a step never holds a second parameter-sized tensor; whatever a rule does
+        not add in place it returns, like :meth:`clipped_sum`. Default: nothing in place.
+        """
+        return cls.clipped_sum(layer, call, weights)
 
 
 _RULES: dict[type[nn.Module], type[LayerRule]] = {}

@@ -79,20 +79,29 @@ def bias_sq_norms(g: Tensor) -> Tensor:
 
 
 def weighted_weight_sum(
-    a: Tensor, g: Tensor, weights: Tensor, unit_grads: Tensor | None = None
+    a: Tensor,
+    g: Tensor,
+    weights: Tensor,
+    unit_grads: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Σ_u w_u Σ_t g_ut a_utᵀ as one matrix product: (U, T, d), (U, T, p), (U,) → (p, d).
 
     With ``unit_grads`` (U, p, d) from :func:`weight_sq_norms`, a weighted sum of those instead.
+    With ``out`` (p, d) the sum is added into it in place (no (p, d) temporary) and returned.
     """
     if unit_grads is not None:
-        return torch.tensordot(weights.to(unit_grads.dtype), unit_grads, dims=1)
+        total = torch.tensordot(weights.to(unit_grads.dtype), unit_grads, dims=1)
+        return total if out is None else out.add_(total)
     w = weights.to(a.dtype)[:, None, None]
     if a.shape[2] <= g.shape[2]:
         a = a * w
     else:
         g = g * w
-    return g.reshape(-1, g.shape[2]).t() @ a.reshape(-1, a.shape[2])
+    left, right = g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2])
+    if out is None or out.dtype != left.dtype:
+        return left @ right if out is None else out.add_(left @ right)
+    return out.addmm_(left, right)
 
 
 def weighted_bias_sum(g: Tensor, weights: Tensor) -> Tensor:

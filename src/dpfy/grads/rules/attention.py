@@ -7,6 +7,8 @@ one input, whose Gram matrix (ghost norm) is then formed once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
@@ -67,11 +69,24 @@ class InProjectionRule(LayerRule):
     @staticmethod
     def clipped_sum(layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
         """Book-keeping sums per projection, re-packed into the module's parameters."""
+        return InProjectionRule.add_clipped_sum(layer, call, weights, {})
+
+    @staticmethod
+    def add_clipped_sum(  # type: ignore[override]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Each projection's product goes straight into its rows of the running sum if any."""
         pairs = _pairs(layer, call)
         blocks: dict[str, list[Tensor]] = {}
+        rows: dict[str, int] = {}  # next free row of each packed weight's running sum
         for j, (name, a, g) in enumerate(pairs):
-            if name in call.trainable:
-                block = weighted_weight_sum(a, g, weights, call.cache.get(str(j)))
+            if name not in call.trainable:
+                continue
+            start, size = rows.get(name, 0), g.shape[2]
+            rows[name] = start + size
+            summed = into[name][start : start + size] if name in into else None
+            block = weighted_weight_sum(a, g, weights, call.cache.get(str(j)), summed)
+            if summed is None:
                 blocks.setdefault(name, []).append(block)
         out = {name: torch.cat(parts) for name, parts in blocks.items()}
         if "in_proj_bias" in call.trainable:

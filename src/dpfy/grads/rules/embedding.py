@@ -7,6 +7,8 @@ A unit's weight gradient has row v equal to Σ_{t: idx_t = v} g_t, so its square
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
@@ -45,7 +47,17 @@ class EmbeddingRule(LayerRule):
     @staticmethod
     def clipped_sum(layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
         """Scatter-add the weighted output gradients into the rows of their indices."""
+        return EmbeddingRule.add_clipped_sum(layer, call, weights, {})
+
+    @staticmethod
+    def add_clipped_sum(  # type: ignore[override]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Scatter-add straight into the running sum when there is one (no vocabulary temp)."""
         idx, g = _indices_and_grads(layer, call)
         rows = (g * weights.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
-        total = g.new_zeros(layer.weight.shape).index_add_(0, idx.reshape(-1), rows)
-        return {"weight": total}
+        summed = into.get("weight")
+        if summed is not None and summed.dtype == rows.dtype:
+            summed.index_add_(0, idx.reshape(-1), rows)
+            return {}
+        return {"weight": g.new_zeros(layer.weight.shape).index_add_(0, idx.reshape(-1), rows)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import Tensor, nn
 
 from dpfy.grads.capture import Call
@@ -41,10 +43,20 @@ class LinearRule(LayerRule):
     @staticmethod
     def clipped_sum(layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
         """Book-keeping: Aᵀ diag(w) Γ for the weight, wᵀ Σ_t Γ for the bias."""
+        return LinearRule.add_clipped_sum(layer, call, weights, {})
+
+    @staticmethod
+    def add_clipped_sum(  # type: ignore[override]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """The weight's product is added straight into the running sum when there is one."""
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
         out = {}
         if "weight" in call.trainable:
-            out["weight"] = weighted_weight_sum(a, g, weights, call.cache.get("weight"))
+            summed = into.get("weight")
+            total = weighted_weight_sum(a, g, weights, call.cache.get("weight"), summed)
+            if summed is None:
+                out["weight"] = total
         if "bias" in call.trainable:
             out["bias"] = weighted_bias_sum(g, weights)
         return out

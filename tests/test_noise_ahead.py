@@ -1,0 +1,154 @@
+"""Noise drawn ahead on a worker thread: used once, right variance, checkpoint-exact, off-thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import dpfy
+from dpfy.noise import TorchNoise
+from dpfy.noise_ahead import NoiseAhead
+
+
+def params() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(300, 40), "b": torch.zeros(40)}
+
+
+def test_each_take_is_a_fresh_draw_with_the_stated_variance():
+    ahead = NoiseAhead(TorchNoise(seed=0))
+    draws = []
+    for _ in range(5):
+        ahead.prepare(params(), 2.0)
+        draws.append(torch.cat([t.flatten() for t in ahead.take(params(), 2.0).values()]))
+    for i in range(5):  # never the same buffer twice, and no draw repeats another
+        assert not any(torch.equal(draws[i], draws[j]) for j in range(i))
+    values = torch.cat(draws).double()
+    statistic = float((values**2).sum() / 4.0)
+    low, high = stats.chi2.ppf([1e-6, 1 - 1e-6], values.numel())
+    assert low < statistic < high
+
+
+def test_take_without_prepare_draws_on_the_spot_and_continues_the_same_stream():
+    ahead, plain = NoiseAhead(TorchNoise(seed=3)), TorchNoise(seed=3)
+    ahead.prepare(params(), 1.0)
+    first = ahead.take(params(), 1.0)
+    second = ahead.take(params(), 1.0)  # nothing prepared: drawn now
+    expected = [plain.normal(t, 1.0) for _ in range(2) for t in params().values()]
+    got = [*first.values(), *second.values()]
+    for mine, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_a_draw_for_other_shapes_is_dropped_not_used():
+    ahead = NoiseAhead(TorchNoise(seed=1))
+    ahead.prepare(params(), 1.0)
+    changed = {"w": torch.zeros(300, 40, dtype=torch.float64), "b": torch.zeros(40)}
+    taken = ahead.take(changed, 1.0)
+    assert taken["w"].dtype == torch.float64
+    dropped = NoiseAhead(TorchNoise(seed=1)).take(params(), 1.0)  # what the dropped draw held
+    assert not torch.equal(taken["b"], dropped["b"])
+    assert not torch.equal(taken["w"].float(), dropped["w"])
+
+
+def test_checkpoint_with_a_waiting_draw_resumes_the_same_stream():
+    ahead = NoiseAhead(TorchNoise(seed=5))
+    ahead.take(params(), 1.0)
+    ahead.prepare(params(), 1.0)  # drawn, not yet used, when the checkpoint is taken
+    state = ahead.state_dict()
+    expected = ahead.take(params(), 1.0)
+    resumed = NoiseAhead(TorchNoise(seed=99))
+    resumed.load_state_dict(state)
+    for name, value in resumed.take(params(), 1.0).items():
+        assert torch.equal(value, expected[name])
+
+
+def test_the_draw_runs_on_a_worker_thread_and_its_errors_reach_the_caller():
+    class Recording:
+        def __init__(self, fail: bool = False) -> None:
+            self.threads: list[str] = []
+            self.fail = fail
+
+        def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
+            self.threads.append(threading.current_thread().name)
+            if self.fail:
+                raise MemoryError("no room for noise")
+            return torch.zeros(like.shape)
+
+    source = Recording()
+    ahead = NoiseAhead(source)
+    ahead.prepare(params(), 1.0)
+    ahead.take(params(), 1.0)
+    assert source.threads == ["dpfy-noise", "dpfy-noise"]
+    failing = NoiseAhead(Recording(fail=True))
+    failing.prepare(params(), 1.0)
+    with pytest.raises(MemoryError, match="no room"):
+        failing.take(params(), 1.0)
+
+
+def test_private_step_starts_from_the_noise_and_adds_the_clipped_sum():
+    class Constant:
+        def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
+            return torch.full(like.shape, std)
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    data = TensorDataset(torch.zeros(40, 3), torch.zeros(40, dtype=torch.long))
+    private = dpfy.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), data, batch_size=10, steps=1,
+        noise_multiplier=2.0, delta=1e-5, max_grad_norm=1.0, seed=0,
+    )  # fmt: skip
+    private.optimizer.noise = Constant()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = next(iter(private.loader))
+    private.optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    private.optimizer.step()
+    # x = 0, y = 0: every example's weight gradient is 0 and its bias gradient softmax(b) - e₀
+    per_example = torch.softmax(before["bias"], 0) - torch.tensor([1.0, 0.0])
+    clipped_sum = len(x) * per_example * min(1.0, 1.0 / float(per_example.norm()))
+    torch.testing.assert_close(model.weight.detach(), before["weight"] - 2.0 / 10)
+    torch.testing.assert_close(model.bias.detach(), before["bias"] - (clipped_sum + 2.0) / 10)
+
+
+def test_seeded_run_saved_with_a_draw_waiting_resumes_exactly(tmp_path):
+    """zero_grad() at the end of the loop: a draw is waiting whenever the run is saved."""
+
+    def fresh() -> dpfy.PrivateTraining:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(
+            torch.randn(100, 5, generator=g), torch.randint(0, 3, (100,), generator=g)
+        )
+        return dpfy.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=10, steps=8,
+            noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=11,
+        )  # fmt: skip
+
+    def train(private: dpfy.PrivateTraining, stop_after: int | None = None) -> None:
+        private.optimizer.zero_grad()
+        for taken, (x, y) in enumerate(private.loader, start=1):
+            nn.functional.cross_entropy(private.model(x), y).backward()
+            private.optimizer.step()
+            private.optimizer.zero_grad()  # starts the next batch's draw
+            if taken == stop_after:
+                return
+
+    def weights(private: dpfy.PrivateTraining) -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in private.model.parameters()])
+
+    whole = fresh()
+    train(whole)
+    first = fresh()
+    train(first, stop_after=3)
+    path = first.save(tmp_path / "checkpoint.pt")
+    resumed = fresh()
+    resumed.load(path)
+    train(resumed)
+    assert resumed.ledger.steps == whole.ledger.steps == 8
+    torch.testing.assert_close(weights(resumed), weights(whole), rtol=0, atol=0)
