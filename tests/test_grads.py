@@ -81,15 +81,22 @@ def run_engine(
     forward: Callable[[nn.Module, Tensor], Tensor] | None = None,
     **make_kwargs: object,
 ) -> tuple[dict[str, Tensor], Tensor, object]:
-    """One forward/backward with the engine attached; returns sums, norms, and the engine."""
+    """One forward/backward with the engine attached; returns sums, norms, and the engine.
+
+    The sum begins from a known offset, as a private step begins it from its noise: rules that
+    add in place (``add_clipped_sum``) are checked on that path; the offset is then removed.
+    """
     forward = forward or (lambda m, inp: m(inp))
     engine = make_engine(model, kind, **make_kwargs)
+    offset = {name: torch.full_like(p, 0.5) for name, p in engine.params.items()}
     try:
+        engine.begin_sum({name: value.clone() for name, value in offset.items()})
         losses = loss_fn(forward(model, x), y)
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
         result = engine.clip_and_accumulate(clip, reduction, microbatch_size=microbatch)
         assert all(p.grad is None for p in model.parameters() if p.requires_grad)
-        return engine.summed_grads(), result.norms, engine
+        sums = {name: value - offset[name] for name, value in engine.summed_grads().items()}
+        return sums, result.norms, engine
     finally:
         engine.detach()
 

@@ -44,6 +44,12 @@ class TorchNoise:
         noise = torch.empty(like.shape, dtype=like.dtype, device=self.generator.device)
         return noise.normal_(0.0, std, generator=self.generator).to(like.device)
 
+    def fill_(self, out: torch.Tensor, std: float) -> torch.Tensor:
+        """Overwrite ``out`` with noise, in place when it lives on the generator's device."""
+        if out.device != self.generator.device:
+            return out.copy_(self.normal(out, std))
+        return out.normal_(0.0, std, generator=self.generator)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The generator state, so a resumed run continues the same stream."""
         return {"generator": self.generator.get_state()}

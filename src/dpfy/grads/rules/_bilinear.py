@@ -21,6 +21,7 @@ __all__ = [
     "direct_sq_norms",
     "ghost_sq_norms",
     "gram",
+    "position_sum",
     "use_ghost",
     "weight_sq_norms",
     "weighted_bias_sum",
@@ -68,14 +69,21 @@ def weight_sq_norms(
     return sq_norm(grads, (1, 2)), grads
 
 
-def _position_sum(g: Tensor) -> Tensor:
-    """Σ_t g_t: (U, T, p) → (U, p), without a reduction kernel when T = 1."""
+def position_sum(g: Tensor) -> Tensor:
+    """Σ_t g_t, each unit's bias gradient: (U, T, p) → (U, p), no reduction kernel when T = 1."""
     return g[:, 0] if g.shape[1] == 1 else g.sum(1)
 
 
-def bias_sq_norms(g: Tensor) -> Tensor:
-    """Per-unit squared norm of the bias gradient Σ_t g_t: (U, T, p) → (U,)."""
-    return sq_norm(_position_sum(g), 1)
+def bias_sq_norms(g: Tensor, cache: dict[str, Tensor] | None = None, key: str = "bias") -> Tensor:
+    """Per-unit squared norm of the bias gradient Σ_t g_t: (U, T, p) → (U,).
+
+    With ``cache``, the per-unit bias gradients are kept there under ``key`` for
+    :func:`weighted_bias_sum` (the position sum reads the whole output gradient once, not twice).
+    """
+    unit_grads = position_sum(g)
+    if cache is not None and g.shape[1] > 1:
+        cache[key] = unit_grads
+    return sq_norm(unit_grads, 1)
 
 
 def weighted_weight_sum(
@@ -104,6 +112,9 @@ def weighted_weight_sum(
     return out.addmm_(left, right)
 
 
-def weighted_bias_sum(g: Tensor, weights: Tensor) -> Tensor:
-    """Σ_u w_u Σ_t g_ut: (U, T, p), (U,) → (p,)."""
-    return weights.to(g.dtype) @ _position_sum(g)
+def weighted_bias_sum(
+    g: Tensor, weights: Tensor, cache: dict[str, Tensor] | None = None, key: str = "bias"
+) -> Tensor:
+    """Σ_u w_u Σ_t g_ut: (U, T, p), (U,) → (p,) (from ``cache[key]`` if bias_sq_norms left it)."""
+    unit_grads = cache[key] if cache is not None and key in cache else position_sum(g)
+    return weights.to(g.dtype) @ unit_grads

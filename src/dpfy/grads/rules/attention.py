@@ -63,7 +63,7 @@ class InProjectionRule(LayerRule):
                 if unit_grads is not None:
                     call.cache[str(j)] = unit_grads
             if "in_proj_bias" in call.trainable:
-                total = total + bias_sq_norms(g)
+                total = total + bias_sq_norms(g, call.cache, f"bias{j}")
         return total
 
     @staticmethod
@@ -90,5 +90,10 @@ class InProjectionRule(LayerRule):
                 blocks.setdefault(name, []).append(block)
         out = {name: torch.cat(parts) for name, parts in blocks.items()}
         if "in_proj_bias" in call.trainable:
-            out["in_proj_bias"] = torch.cat([weighted_bias_sum(g, weights) for _, _, g in pairs])
+            out["in_proj_bias"] = torch.cat(
+                [
+                    weighted_bias_sum(g, weights, call.cache, f"bias{j}")
+                    for j, (_, _, g) in enumerate(pairs)
+                ]
+            )
         return out

@@ -37,7 +37,7 @@ class LinearRule(LayerRule):
             if unit_grads is not None:
                 call.cache["weight"] = unit_grads
         if "bias" in call.trainable:
-            total = total + bias_sq_norms(g)
+            total = total + bias_sq_norms(g, call.cache)
         return total
 
     @staticmethod
@@ -58,5 +58,5 @@ class LinearRule(LayerRule):
             if summed is None:
                 out["weight"] = total
         if "bias" in call.trainable:
-            out["bias"] = weighted_bias_sum(g, weights)
+            out["bias"] = weighted_bias_sum(g, weights, call.cache)
         return out
