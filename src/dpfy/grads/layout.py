@@ -47,6 +47,8 @@ class Units:
     @classmethod
     def consecutive(cls, n: int, group: int) -> Units:
         """Groups of ``group`` consecutive examples; a last, smaller group keeps its own size."""
+        if group == 1:  # one example per unit: the common case, in two small tensors
+            return cls(torch.arange(n), torch.ones(n, dtype=torch.int64), 1)
         count = -(-n // group)
         sizes = torch.full((count,), group, dtype=torch.int64)
         sizes[-1] = n - (count - 1) * group

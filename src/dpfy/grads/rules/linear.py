@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from dpfy.grads.capture import Call
 from dpfy.grads.layout import flatten_positions, group_positions
+from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, register_rule
 from dpfy.grads.rules._bilinear import (
     bias_sq_norms,
@@ -30,6 +31,9 @@ class LinearRule(LayerRule):
     def sq_norms(layer: nn.Module, call: Call) -> Tensor:
         """Direct, rank-one or ghost norm of the weight gradient plus the bias norm."""
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
+        if a.shape[1] == 1 and call.trainable == {"weight", "bias"}:
+            # One position: ‖g aᵀ‖² + ‖g‖² = (‖a‖² + 1)·‖g‖², one norm of g for both.
+            return (sq_norm(a[:, 0], 1) + 1) * sq_norm(g[:, 0], 1)
         total = a.new_zeros(a.shape[0])
         if "weight" in call.trainable:
             sq, unit_grads = weight_sq_norms(a, g)
