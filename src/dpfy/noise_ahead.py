@@ -33,6 +33,10 @@ from dpfy.noise import NoiseSource
 
 __all__ = ["NoiseAhead"]
 
+#: Coordinates per draw when noise is added to a finished sum: the worker then holds one buffer
+#: of at most this size (1 MiB in float32), not one as large as the parameter.
+ADD_CHUNK = 1 << 18
+
 #: What a draw is for: each parameter's name, shape, dtype and device, and the std.
 _Key = tuple[tuple[tuple[str, torch.Size, torch.dtype, torch.device], ...], float]
 
@@ -72,18 +76,47 @@ class _Draw:
         return self.buffers
 
 
+class _AddNoise:
+    """Adds N(0, std²) into a finished sum, in place, in chunks (run by the worker thread)."""
+
+    def __init__(self, source: NoiseSource, total: Tensor, std: float) -> None:
+        self.source, self.total, self.std = source, total, std
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        """Add a fresh draw to every coordinate; keep an error for the thread that waits."""
+        try:
+            with torch.no_grad():
+                flat = self.total.view(-1)
+                for start in range(0, flat.numel(), ADD_CHUNK):
+                    chunk = flat[start : start + ADD_CHUNK]
+                    chunk.add_(self.source.normal(chunk, self.std))
+        except BaseException as error:
+            self.error = error
+        finally:
+            self.total = None  # type: ignore[assignment]
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until done; raise its error here."""
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
 class _Worker:
     """One long-lived daemon thread per process running draws in order (cheaper than a thread
     per step: starting one costs ~0.1 ms, a tenth of a percent of a step or more)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._jobs: queue.SimpleQueue[_Draw] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Draw | _AddNoise] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="dpfy-noise", daemon=True).start()
 
-    def submit(self, draw: _Draw) -> None:
-        """Queue a draw; it runs after those queued before it."""
-        self._jobs.put(draw)
+    def submit(self, job: _Draw | _AddNoise) -> None:
+        """Queue a job; it runs after those queued before it (one stream order)."""
+        self._jobs.put(job)
 
     def _serve(self) -> None:
         while True:
@@ -115,6 +148,7 @@ class NoiseAhead:
     def __init__(self, source: NoiseSource) -> None:
         self.source = source
         self._pending: _Draw | None = None
+        self._later: list[_AddNoise] = []
 
     def prepare(self, params: Mapping[str, Tensor], std: float) -> None:
         """Start drawing the next step's noise on a worker thread (no-op if one is waiting)."""
@@ -137,6 +171,28 @@ class NoiseAhead:
         _fill(self.source, buffers, key[1])
         return buffers
 
+    def add_later(self, total: Tensor, std: float) -> None:
+        """Add N(0, std²) into ``total`` in place on the worker, after the draws queued before.
+
+        For parameters whose noise is not drawn ahead (memory): their sum is final before the
+        rest of the step is, and the worker adds their noise meanwhile. :meth:`wait_later` blocks
+        until every such addition is done.
+        """
+        job = _AddNoise(self.source, total, std)
+        self._later.append(job)
+        _worker().submit(job)
+
+    def wait_later(self) -> None:
+        """Wait for every :meth:`add_later`; raise the first error among them."""
+        jobs, self._later = self._later, []
+        for job in jobs:
+            job.wait()
+
+    def _settle_later(self) -> None:
+        """Let every queued addition finish (errors stay for :meth:`wait_later`)."""
+        for job in self._later:
+            job._done.wait()
+
     def discard(self) -> None:
         """Drop a waiting draw: its noise is never used; the stream stays past it."""
         draw, self._pending = self._pending, None
@@ -144,12 +200,13 @@ class NoiseAhead:
             draw.wait()
 
     def normal(self, like: Tensor, std: float) -> Tensor:
-        """A plain draw from the wrapped source (after any waiting draw: one stream order)."""
-        self._settle()
+        """A plain draw from the wrapped source; a waiting draw is dropped first (never used)."""
+        self.discard()
         return self.source.normal(like, std)
 
     def state_dict(self) -> Any:
         """The wrapped source's state as of the last noise handed out (see the module doc)."""
+        self._settle_later()  # queued before any waiting draw: part of the stream so far
         if self._pending is not None:
             self._pending.wait()
             return self._pending.state_before
@@ -157,19 +214,12 @@ class NoiseAhead:
 
     def load_state_dict(self, state: Any) -> None:
         """Restore the stream; a draw made from the old state is dropped."""
+        self._settle_later()
+        self._later = []
         self.discard()
         load = getattr(self.source, "load_state_dict", None)
         if load is not None:
             load(state)
-
-    def _settle(self) -> None:
-        """A plain draw must not race a waiting one on the same generator: rewind past it."""
-        draw = self._pending
-        if draw is None:
-            return
-        self.discard()
-        if draw.state_before is not None:
-            self.source.load_state_dict(draw.state_before)  # type: ignore[attr-defined]
 
 
 def _key(params: Mapping[str, Tensor], std: float) -> _Key:

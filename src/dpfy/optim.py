@@ -28,7 +28,7 @@ import torch
 from dpfy._validate import check_count, check_positive
 from dpfy.data.records import SamplingRecord
 from dpfy.distributed import GradientAggregator, LocalAggregator
-from dpfy.grads import ClipResult, GradEngine, LossReduction
+from dpfy.grads import ClipResult, Completion, GradEngine, LossReduction
 from dpfy.ledger import PrivacyLedger, StepRecord
 from dpfy.noise import NoiseSource, TorchNoise
 from dpfy.noise_ahead import NoiseAhead
@@ -137,7 +137,25 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         if not self.engine.summing:
-            self.noise.prepare(self.engine.params, self._noise_share)
+            self.noise.prepare(self._drawn_ahead(), self._noise_share)
+
+    def _drawn_ahead(self) -> dict[str, torch.Tensor]:
+        """The parameters whose noise is drawn before the step: all but the largest.
+
+        The largest one's noise would be the largest buffer held through the forward and
+        backward passes; instead its sum is formed first in ``step()`` and the worker adds its
+        noise while the engine sums the other layers (time hidden either way, memory not).
+        """
+        params = self.engine.params
+        largest = max(params, key=lambda name: params[name].numel())
+        return {name: p for name, p in params.items() if name != largest}
+
+    def _noise_later(self) -> Completion:
+        """Noise for the parameters not drawn ahead, added by the worker once their sum is final."""
+        ahead = self._drawn_ahead()
+        late = frozenset(name for name in self.engine.params if name not in ahead)
+        share = self._noise_share
+        return Completion(late, lambda name, total: self.noise.add_later(total, share))
 
     @property
     def _noise_share(self) -> float:
@@ -154,8 +172,8 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self.engine.summing:  # the batch's sum starts from its noise (drawn once, used once)
-            self.engine.begin_sum(self.noise.take(self.engine.params, self._noise_share))
-        result = self._clip()
+            self.engine.begin_sum(self.noise.take(self._drawn_ahead(), self._noise_share))
+        result = self._clip(self._noise_later() if self.boundary.closes_batch else None)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
@@ -184,12 +202,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.reset()
         return loss
 
-    def _clip(self) -> ClipResult:
+    def _clip(self, completion: Completion | None = None) -> ClipResult:
         """Clip this physical batch's units into the engine's sum (per example or microbatch)."""
         return self.engine.clip_and_accumulate(
             self.settings.max_grad_norm,
             self.loss_reduction,
             microbatch_size=self.settings.microbatch_size,
+            completion=completion,
         )
 
     def _write_private_grads(self) -> None:
@@ -199,6 +218,7 @@ class DPOptimizer(torch.optim.Optimizer):
         ranks' noised shares (dpfy.distributed).
         """
         divisor = self.settings.divisor
+        self.noise.wait_later()
         noisy = self.aggregator.combine(self.engine.summed_grads())
         for name, total in noisy.items():
             self.engine.params[name].grad = total.div_(divisor)

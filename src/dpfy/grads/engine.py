@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
@@ -21,7 +22,7 @@ from dpfy.grads.layout import Units
 from dpfy.grads.registry import find_rule
 from dpfy.grads.substitutions import Substitution, restore
 
-__all__ = ["ClipResult", "GradEngine", "LossReduction"]
+__all__ = ["ClipResult", "Completion", "GradEngine", "LossReduction"]
 
 LossReduction = Literal["mean", "sum"]
 
@@ -40,6 +41,20 @@ class ClipResult:
     norms: Tensor
     num_examples: int
     num_units: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """Parameters whose sums are formed first, and what to do with each sum once it is final.
+
+    The private optimizer passes one on the last physical batch of a logical batch: its worker
+    thread then adds those parameters' noise while the engine sums the other layers.
+    ``then(name, total)`` is called exactly once per name per call, also for a parameter that
+    got no gradient (its sum is zeros) and on an empty batch.
+    """
+
+    names: frozenset[str]
+    then: Callable[[str, Tensor], None]
 
 
 class GradEngine:
@@ -68,6 +83,8 @@ class GradEngine:
                 param = getattr(tap.module, local)
                 self.params[param_names[id(param)]] = param
         self._acc: dict[str, Tensor] = {}
+        self._summing = False  # a logical batch's sum is open (begun, or added to)
+        self._completed: set[str] = set()  # Completion names already handed over in this call
         self.num_examples = 0  # examples accumulated since the last reset
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
@@ -89,6 +106,7 @@ class GradEngine:
         *,
         microbatch_size: int | None = None,
         groups: Tensor | None = None,
+        completion: Completion | None = None,
     ) -> ClipResult:
         """Clip each unit's gradient to ``max_grad_norm`` and add the clipped sum to the total.
 
@@ -102,6 +120,8 @@ class GradEngine:
         of privacy and the sensitivity stays C. Afterwards every trainable ``p.grad`` is None: the
         non-private gradient of the backward pass is discarded so it cannot be used by accident.
         An empty batch (or no backward since the last call) adds nothing and reports 0 examples.
+        ``completion`` (last physical batch only) names parameters to sum first and is handed
+        each one's final sum (see :class:`Completion`).
         """
         self._require_attached()
         clip = check_positive("max_grad_norm", max_grad_norm)
@@ -117,12 +137,21 @@ class GradEngine:
             # The norms and sums are data, not part of any graph: under autograd every layer's
             # captured tensors would stay alive in their history until the step ended.
             with torch.no_grad():
-                return self._clip_batch(clip, loss_reduction, group, groups)
+                self._completed = set()
+                result = self._clip_batch(clip, loss_reduction, group, groups, completion)
+                if completion is not None:
+                    self._complete(completion, completion.names)
+                return result
         finally:
             self._release()
 
     def _clip_batch(
-        self, clip: float, loss_reduction: LossReduction, group: int, groups: Tensor | None
+        self,
+        clip: float,
+        loss_reduction: LossReduction,
+        group: int,
+        groups: Tensor | None,
+        completion: Completion | None,
     ) -> ClipResult:
         """Clip the captured batch's units and add their clipped sum to the total."""
         calls = self._collect_calls()
@@ -143,7 +172,7 @@ class GradEngine:
         scale = scale.to(sq.device, sq.dtype)
         norms = sq.clamp_min(0).sqrt() * scale
         factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
-        self._accumulate(factors * scale)
+        self._accumulate(factors * scale, completion)
         self.num_examples += n
         return ClipResult(norms.detach(), n, units.count)
 
@@ -155,19 +184,18 @@ class GradEngine:
         parameter, shaped like it.
         """
         self._require_attached()
-        if self._acc or self.num_examples:
+        if self._summing:
             raise RuntimeError("a logical batch is already being summed; reset() it first")
-        if set(initial) != set(self.params):
-            raise ValueError("begin_sum needs one tensor for every trainable parameter")
         for name, value in initial.items():
-            if value.shape != self.params[name].shape:
-                raise ValueError(f"begin_sum: '{name}' has shape {tuple(value.shape)}")
+            if name not in self.params or value.shape != self.params[name].shape:
+                raise ValueError(f"begin_sum: '{name}' is not a trainable parameter of this shape")
         self._acc = {name: value.detach() for name, value in initial.items()}
+        self._summing = True
 
     @property
     def summing(self) -> bool:
         """Whether a logical batch's sum is open (begun, or something was accumulated)."""
-        return bool(self._acc)
+        return self._summing
 
     def summed_grads(self) -> dict[str, Tensor]:
         """The accumulated clipped sum for every trainable parameter (zeros where none came)."""
@@ -184,6 +212,7 @@ class GradEngine:
     def reset(self) -> None:
         """Forget the accumulated clipped sum and example count (start a new logical batch)."""
         self._acc.clear()
+        self._summing = False
         self.num_examples = 0
 
     def detach(self) -> None:
@@ -207,10 +236,23 @@ class GradEngine:
         """Σ_u weights[u]·grad_u by parameter name, for the calls of the last norms."""
         raise NotImplementedError
 
-    def _accumulate(self, weights: Tensor) -> None:
-        """Add Σ_u weights[u]·grad_u into the accumulator (engines may add in place)."""
+    def _accumulate(self, weights: Tensor, completion: Completion | None) -> None:
+        """Add Σ_u weights[u]·grad_u into the accumulator (engines may add in place).
+
+        Engines that sum layer by layer take ``completion``'s layers first and hand their sums
+        over as soon as they are final; the caller hands over the rest.
+        """
         for name, value in self._unit_weighted_sums(weights).items():
             self._add(name, value)
+
+    def _complete(self, completion: Completion, names: Iterable[str]) -> None:
+        """Hand each named parameter's final sum over once (zeros if it got no gradient)."""
+        for name in names:
+            if name in completion.names and name not in self._completed:
+                self._completed.add(name)
+                if name not in self._acc:
+                    self._acc[name] = torch.zeros_like(self.params[name])
+                completion.then(name, self._acc[name])
 
     def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
         """Engine-specific refusals (the fast engine refuses repeated calls)."""
@@ -308,6 +350,7 @@ class GradEngine:
             self._acc[name].add_(value)
         else:  # the first sum becomes the accumulator: rules return freshly computed tensors
             self._acc[name] = value.detach()
+        self._summing = True
 
     def _release(self) -> None:
         """Drop captured tensors and the non-private gradients of the backward pass."""

@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from dpfy.grads.capture import Call, Tap, release
-from dpfy.grads.engine import GradEngine
+from dpfy.grads.engine import Completion, GradEngine
 from dpfy.grads.layout import Units, prepare_call
 from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, find_rule
@@ -82,8 +82,14 @@ class FastEngine(GradEngine):
         assert total is not None
         return total
 
-    def _accumulate(self, weights: Tensor) -> None:
-        """Add each layer's clipped sum into the running sum (in place where its rule can)."""
+    def _accumulate(self, weights: Tensor, completion: Completion | None) -> None:
+        """Add each layer's clipped sum into the running sum (in place where its rule can).
+
+        Layers holding ``completion``'s parameters go first, and their sums are handed over
+        at once, so that what is done with them overlaps the other layers' sums.
+        """
+        if completion is not None:  # popped from the end: those layers last in the list
+            self._pending.sort(key=lambda p: self._holds(p[0], completion.names))
         try:
             while self._pending:  # release each layer's captures as soon as it is summed
                 tap, rule, call, grouped = self._pending.pop()
@@ -102,5 +108,11 @@ class FastEngine(GradEngine):
                 del call, grouped
                 for local, value in sums.items():
                     self._add(names[local], value)
+                if completion is not None:
+                    self._complete(completion, names.values())
         finally:
             self._pending = []
+
+    def _holds(self, tap: Tap, names: frozenset[str]) -> bool:
+        """Whether one of the layer's trainable parameters is among ``names``."""
+        return any(self._names[id(getattr(tap.module, local))] in names for local in tap.trainable)
