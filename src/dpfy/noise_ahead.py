@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,9 +33,8 @@ from dpfy.noise import NoiseSource
 
 __all__ = ["NoiseAhead"]
 
-#: Coordinates per draw when noise is added to a finished sum: the worker then holds one buffer
-#: of at most this size (1 MiB in float32), not one as large as the parameter.
-ADD_CHUNK = 1 << 18
+#: Blocks of rows in which a running sum is filled with noise while a product is added into it.
+FILL_BLOCKS = 8
 
 #: What a draw is for: each parameter's name, shape, dtype and device, and the std.
 _Key = tuple[tuple[tuple[str, torch.Size, torch.dtype, torch.device], ...], float]
@@ -76,33 +75,59 @@ class _Draw:
         return self.buffers
 
 
-class _AddNoise:
-    """Adds N(0, std²) into a finished sum, in place, in chunks (run by the worker thread)."""
+class _Fill:
+    """Fills a running sum with noise (or adds noise into it), block by block of rows.
 
-    def __init__(self, source: NoiseSource, total: Tensor, std: float) -> None:
-        self.source, self.total, self.std = source, total, std
+    Filling and adding draw the same blocks in the same order, so a parameter gets the same
+    noise whichever of the two it needs (one physical batch, or several: virtual batching).
+    Other threads wait for rows to be ready.
+    """
+
+    def __init__(self, source: NoiseSource, out: Tensor, std: float, *, add: bool) -> None:
+        self.source, self.out, self.std, self.add = source, out, std, add
+        self.rows = out.shape[0] if out.dim() else 1
+        self.step = max(1, -(-self.rows // FILL_BLOCKS))
+        self.filled = 0
         self.error: BaseException | None = None
-        self._done = threading.Event()
+        self._progress = threading.Condition()
 
     def run(self) -> None:
-        """Add a fresh draw to every coordinate; keep an error for the thread that waits."""
+        """Fill (or add into) each block of rows in order, announcing each as it is done."""
         try:
             with torch.no_grad():
-                flat = self.total.view(-1)
-                for start in range(0, flat.numel(), ADD_CHUNK):
-                    chunk = flat[start : start + ADD_CHUNK]
-                    chunk.add_(self.source.normal(chunk, self.std))
-        except BaseException as error:
-            self.error = error
+                rows = self.out.view(1, -1) if self.out.dim() == 0 else self.out
+                for start in range(0, self.rows, self.step):
+                    block = rows[start : start + self.step]
+                    if self.add:
+                        block.add_(self.source.normal(block, self.std))
+                    else:
+                        _fill(self.source, {"": block}, self.std)
+                    with self._progress:
+                        self.filled = min(start + self.step, self.rows)
+                        self._progress.notify_all()
+        except BaseException as error:  # re-raised by ready() in the training thread
+            with self._progress:
+                self.error = error
+                self.filled = self.rows
+                self._progress.notify_all()
         finally:
-            self.total = None  # type: ignore[assignment]
-            self._done.set()
+            self.out = None  # type: ignore[assignment]
 
-    def wait(self) -> None:
-        """Block until done; raise its error here."""
-        self._done.wait()
+    def ready(self, rows: int) -> None:
+        """Block until the first ``rows`` rows hold their noise; raise the job's error here."""
+        self.settle(rows)
         if self.error is not None:
             raise self.error
+
+    def settle(self, rows: int | None = None) -> None:
+        """Block until the first ``rows`` rows (all by default) are done or the job failed."""
+        limit = self.rows if rows is None else min(rows, self.rows)
+        with self._progress:
+            self._progress.wait_for(lambda: self.filled >= limit)
+
+    def wait(self) -> None:
+        """Block until every row is done; raise the job's error here."""
+        self.ready(self.rows)
 
 
 class _Worker:
@@ -111,10 +136,10 @@ class _Worker:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._jobs: queue.SimpleQueue[_Draw | _AddNoise] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Draw | _Fill] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="dpfy-noise", daemon=True).start()
 
-    def submit(self, job: _Draw | _AddNoise) -> None:
+    def submit(self, job: _Draw | _Fill) -> None:
         """Queue a job; it runs after those queued before it (one stream order)."""
         self._jobs.put(job)
 
@@ -148,7 +173,7 @@ class NoiseAhead:
     def __init__(self, source: NoiseSource) -> None:
         self.source = source
         self._pending: _Draw | None = None
-        self._later: list[_AddNoise] = []
+        self._later: list[_Fill] = []
 
     def prepare(self, params: Mapping[str, Tensor], std: float) -> None:
         """Start drawing the next step's noise on a worker thread (no-op if one is waiting)."""
@@ -178,9 +203,20 @@ class NoiseAhead:
         rest of the step is, and the worker adds their noise meanwhile. :meth:`wait_later` blocks
         until every such addition is done.
         """
-        job = _AddNoise(self.source, total, std)
+        job = _Fill(self.source, total, std, add=True)
         self._later.append(job)
         _worker().submit(job)
+
+    def fill(self, out: Tensor, std: float) -> Callable[[int], None]:
+        """Fill ``out`` with N(0, std²) on the worker, ``FILL_BLOCKS`` blocks of rows in order.
+
+        Returns ``ready(rows)``, which blocks until the first ``rows`` rows are filled, so a
+        product can be added into the rows already filled while the rest are drawn.
+        """
+        job = _Fill(self.source, out, std, add=False)
+        self._later.append(job)
+        _worker().submit(job)
+        return job.ready
 
     def wait_later(self) -> None:
         """Wait for every :meth:`add_later`; raise the first error among them."""
@@ -191,7 +227,7 @@ class NoiseAhead:
     def _settle_later(self) -> None:
         """Let every queued addition finish (errors stay for :meth:`wait_later`)."""
         for job in self._later:
-            job._done.wait()
+            job.settle()
 
     def discard(self) -> None:
         """Drop a waiting draw: its noise is never used; the stream stays past it."""

@@ -28,7 +28,7 @@ import torch
 from dpfy._validate import check_count, check_positive
 from dpfy.data.records import SamplingRecord
 from dpfy.distributed import GradientAggregator, LocalAggregator
-from dpfy.grads import ClipResult, Completion, GradEngine, LossReduction
+from dpfy.grads import ClipResult, GradEngine, LossReduction, NoiseStart
 from dpfy.ledger import PrivacyLedger, StepRecord
 from dpfy.noise import NoiseSource, TorchNoise
 from dpfy.noise_ahead import NoiseAhead
@@ -81,6 +81,23 @@ class NoiseSettings:
         if self.microbatch_size is None:
             return self.expected_batch_size
         return self.expected_batch_size / self.microbatch_size
+
+
+@dataclass(frozen=True)
+class _NoiseDuringClip:
+    """The engine's :class:`NoiseStart` for the parameters whose noise is not drawn ahead."""
+
+    names: frozenset[str]
+    noise: NoiseAhead
+    std: float
+
+    def fill(self, out: torch.Tensor) -> Callable[[int], None]:
+        """Fill a running sum with noise on the worker, rows in order."""
+        return self.noise.fill(out, self.std)
+
+    def add(self, total: torch.Tensor) -> None:
+        """Add noise into a finished sum on the worker."""
+        self.noise.add_later(total, self.std)
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -140,22 +157,16 @@ class DPOptimizer(torch.optim.Optimizer):
             self.noise.prepare(self._drawn_ahead(), self._noise_share)
 
     def _drawn_ahead(self) -> dict[str, torch.Tensor]:
-        """The parameters whose noise is drawn before the step: all but the largest.
+        """Parameters whose noise is drawn ahead: all but those of the layer summed last.
 
-        The largest one's noise would be the largest buffer held through the forward and
-        backward passes; instead its sum is formed first in ``step()`` and the worker adds its
-        noise while the engine sums the other layers (time hidden either way, memory not).
+        Every noise buffer drawn ahead is held through the forward and backward passes. The
+        layer summed last is usually the first layer, often the largest (an MLP's input layer,
+        a transformer's embedding); its sum is instead opened from noise filled in while the
+        engine sums (:class:`dpfy.grads.NoiseStart`), so that memory is only needed when the
+        other layers' captured activations are gone.
         """
-        params = self.engine.params
-        largest = max(params, key=lambda name: params[name].numel())
-        return {name: p for name, p in params.items() if name != largest}
-
-    def _noise_later(self) -> Completion:
-        """Noise for the parameters not drawn ahead, added by the worker once their sum is final."""
-        ahead = self._drawn_ahead()
-        late = frozenset(name for name in self.engine.params if name not in ahead)
-        share = self._noise_share
-        return Completion(late, lambda name, total: self.noise.add_later(total, share))
+        tail = self.engine.noise_tail()
+        return {name: p for name, p in self.engine.params.items() if name not in tail}
 
     @property
     def _noise_share(self) -> float:
@@ -173,7 +184,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self.engine.summing:  # the batch's sum starts from its noise (drawn once, used once)
             self.engine.begin_sum(self.noise.take(self._drawn_ahead(), self._noise_share))
-        result = self._clip(self._noise_later() if self.boundary.closes_batch else None)
+        during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share)
+        result = self._clip(during if self.boundary.closes_batch else None)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
@@ -202,13 +214,16 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.reset()
         return loss
 
-    def _clip(self, completion: Completion | None = None) -> ClipResult:
-        """Clip this physical batch's units into the engine's sum (per example or microbatch)."""
+    def _clip(self, noise: NoiseStart | None = None) -> ClipResult:
+        """Clip this physical batch's units into the engine's sum (per example or microbatch).
+
+        ``noise``: on the last physical batch, the parameters whose noise is filled in now.
+        """
         return self.engine.clip_and_accumulate(
             self.settings.max_grad_norm,
             self.loss_reduction,
             microbatch_size=self.settings.microbatch_size,
-            completion=completion,
+            noise=noise,
         )
 
     def _write_private_grads(self) -> None:

@@ -93,17 +93,17 @@ parameter that receives a gradient outside any watched layer call makes ``clip_a
 raise rather than silently miss it.
 """
 
-from dpfy.grads.engine import ClipResult, Completion, GradEngine, LossReduction
+from dpfy.grads.engine import ClipResult, GradEngine, LossReduction, NoiseStart
 from dpfy.grads.make import EngineChoice, fast_blocker, make_engine
 from dpfy.grads.registry import LayerRule, find_rule, register_rule, registered_layers
 
 __all__ = [
     "ClipResult",
-    "Completion",
     "EngineChoice",
     "GradEngine",
     "LayerRule",
     "LossReduction",
+    "NoiseStart",
     "fast_blocker",
     "find_rule",
     "make_engine",

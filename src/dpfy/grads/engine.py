@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -19,10 +19,10 @@ from torch import Tensor, nn
 from dpfy._validate import check_count, check_positive
 from dpfy.grads.capture import Call, Tap, Taps
 from dpfy.grads.layout import Units
-from dpfy.grads.registry import find_rule
+from dpfy.grads.registry import Into, find_rule
 from dpfy.grads.substitutions import Substitution, restore
 
-__all__ = ["ClipResult", "Completion", "GradEngine", "LossReduction"]
+__all__ = ["ClipResult", "GradEngine", "LossReduction", "NoiseStart"]
 
 LossReduction = Literal["mean", "sum"]
 
@@ -43,18 +43,26 @@ class ClipResult:
     num_units: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """Parameters whose sums are formed first, and what to do with each sum once it is final.
+class NoiseStart(Protocol):
+    """How some parameters' sums start from noise filled in during the clip phase.
 
-    The private optimizer passes one on the last physical batch of a logical batch: its worker
-    thread then adds those parameters' noise while the engine sums the other layers.
-    ``then(name, total)`` is called exactly once per name per call, also for a parameter that
-    got no gradient (its sum is zeros) and on an empty batch.
+    The private optimizer draws most of a step's noise ahead (:mod:`dpfy.noise_ahead`); for the
+    parameters in ``names`` it passes this on the last physical batch of a logical batch instead.
+    The engine then opens each one's running sum just before its layer is summed, as an
+    uninitialised tensor that ``fill`` starts filling with noise on the worker thread (rules
+    write into it only as rows become ready), and hands a sum that already existed (earlier
+    physical batches) to ``add`` once it is complete. Each name gets exactly one of the two.
     """
 
     names: frozenset[str]
-    then: Callable[[str, Tensor], None]
+
+    def fill(self, out: Tensor) -> Callable[[int], None]:
+        """Start filling ``out`` with noise, rows in order; returns ``ready(rows)``."""
+        ...
+
+    def add(self, total: Tensor) -> None:
+        """Add noise into a finished sum."""
+        ...
 
 
 class GradEngine:
@@ -84,7 +92,7 @@ class GradEngine:
                 self.params[param_names[id(param)]] = param
         self._acc: dict[str, Tensor] = {}
         self._summing = False  # a logical batch's sum is open (begun, or added to)
-        self._completed: set[str] = set()  # Completion names already handed over in this call
+        self._noised: set[str] = set()  # NoiseStart names already given their noise this call
         self.num_examples = 0  # examples accumulated since the last reset
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
@@ -106,7 +114,7 @@ class GradEngine:
         *,
         microbatch_size: int | None = None,
         groups: Tensor | None = None,
-        completion: Completion | None = None,
+        noise: NoiseStart | None = None,
     ) -> ClipResult:
         """Clip each unit's gradient to ``max_grad_norm`` and add the clipped sum to the total.
 
@@ -120,8 +128,8 @@ class GradEngine:
         of privacy and the sensitivity stays C. Afterwards every trainable ``p.grad`` is None: the
         non-private gradient of the backward pass is discarded so it cannot be used by accident.
         An empty batch (or no backward since the last call) adds nothing and reports 0 examples.
-        ``completion`` (last physical batch only) names parameters to sum first and is handed
-        each one's final sum (see :class:`Completion`).
+        ``noise`` (last physical batch of a logical batch only) starts the named parameters'
+        sums from noise filled in meanwhile (see :class:`NoiseStart`).
         """
         self._require_attached()
         clip = check_positive("max_grad_norm", max_grad_norm)
@@ -137,10 +145,10 @@ class GradEngine:
             # The norms and sums are data, not part of any graph: under autograd every layer's
             # captured tensors would stay alive in their history until the step ended.
             with torch.no_grad():
-                self._completed = set()
-                result = self._clip_batch(clip, loss_reduction, group, groups, completion)
-                if completion is not None:
-                    self._complete(completion, completion.names)
+                self._noised = set()
+                result = self._clip_batch(clip, loss_reduction, group, groups, noise)
+                if noise is not None:
+                    self._finish_noise(noise)
                 return result
         finally:
             self._release()
@@ -151,7 +159,7 @@ class GradEngine:
         loss_reduction: LossReduction,
         group: int,
         groups: Tensor | None,
-        completion: Completion | None,
+        noise: NoiseStart | None,
     ) -> ClipResult:
         """Clip the captured batch's units and add their clipped sum to the total."""
         calls = self._collect_calls()
@@ -172,7 +180,7 @@ class GradEngine:
         scale = scale.to(sq.device, sq.dtype)
         norms = sq.clamp_min(0).sqrt() * scale
         factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
-        self._accumulate(factors * scale, completion)
+        self._accumulate(factors * scale, noise)
         self.num_examples += n
         return ClipResult(norms.detach(), n, units.count)
 
@@ -236,23 +244,52 @@ class GradEngine:
         """Σ_u weights[u]·grad_u by parameter name, for the calls of the last norms."""
         raise NotImplementedError
 
-    def _accumulate(self, weights: Tensor, completion: Completion | None) -> None:
-        """Add Σ_u weights[u]·grad_u into the accumulator (engines may add in place).
+    def noise_tail(self) -> frozenset[str]:
+        """Parameters whose noise is best filled during the clip phase, not drawn ahead.
 
-        Engines that sum layer by layer take ``completion``'s layers first and hand their sums
-        over as soon as they are final; the caller hands over the rest.
+        The fast engine sums layer by layer and names the layer it sums last; this engine
+        names none (all noise can be drawn ahead).
         """
-        for name, value in self._unit_weighted_sums(weights).items():
-            self._add(name, value)
+        return frozenset()
 
-    def _complete(self, completion: Completion, names: Iterable[str]) -> None:
-        """Hand each named parameter's final sum over once (zeros if it got no gradient)."""
-        for name in names:
-            if name in completion.names and name not in self._completed:
-                self._completed.add(name)
-                if name not in self._acc:
-                    self._acc[name] = torch.zeros_like(self.params[name])
-                completion.then(name, self._acc[name])
+    def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:
+        """Add Σ_u weights[u]·grad_u into the running sums (engines may add in place)."""
+        for name, value in self._unit_weighted_sums(weights).items():
+            self._add_into(name, self._slot(name, noise), value)
+
+    def _slot(self, name: str, noise: NoiseStart | None) -> Into | None:
+        """The running sum of ``name`` to add into; opened from noise where ``noise`` says so.
+
+        None: no sum yet and no noise to start from — the first sum becomes the running sum.
+        """
+        if name in self._acc:
+            return Into(self._acc[name])
+        if noise is None or name not in noise.names or name in self._noised:
+            return None
+        self._noised.add(name)
+        total = torch.empty_like(self.params[name], memory_format=torch.contiguous_format)
+        self._acc[name] = total
+        self._summing = True
+        return Into(total, noise.fill(total))
+
+    def _add_into(self, name: str, slot: Into | None, value: Tensor) -> None:
+        """Add one parameter's sum into its slot once the slot is ready (or start the sum)."""
+        if slot is None:
+            self._add(name, value)
+            return
+        slot.wait_all()
+        slot.tensor.add_(value.reshape(slot.tensor.shape).to(slot.tensor.dtype))
+
+    def _finish_noise(self, noise: NoiseStart) -> None:
+        """Give every named parameter its noise: sums formed before get it added, others filled."""
+        for name in sorted(noise.names):  # one stream order, however the names were reached
+            if name in self._noised:
+                continue
+            if name in self._acc:
+                noise.add(self._acc[name])
+                self._noised.add(name)
+            else:  # no gradient reached it: the sum is its noise alone
+                self._slot(name, noise)
 
     def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
         """Engine-specific refusals (the fast engine refuses repeated calls)."""

@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from dpfy.grads.capture import Call, Tap, release
-from dpfy.grads.engine import Completion, GradEngine
+from dpfy.grads.engine import GradEngine, NoiseStart
 from dpfy.grads.layout import Units, prepare_call
 from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, find_rule
@@ -82,37 +82,46 @@ class FastEngine(GradEngine):
         assert total is not None
         return total
 
-    def _accumulate(self, weights: Tensor, completion: Completion | None) -> None:
-        """Add each layer's clipped sum into the running sum (in place where its rule can).
+    def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:
+        """Add each layer's clipped sum into the running sums (in place where its rule can).
 
-        Layers holding ``completion``'s parameters go first, and their sums are handed over
-        at once, so that what is done with them overlaps the other layers' sums.
+        With ``noise``, a named parameter's sum is opened from noise just before its layer is
+        summed; for a layer whose rule cannot overlap the fill with its own product (not
+        ``fills_in_blocks``) the fill starts one layer earlier, while the previous layer sums.
         """
-        if completion is not None:  # popped from the end: those layers last in the list
-            self._pending.sort(key=lambda p: self._holds(p[0], completion.names))
         try:
             while self._pending:  # release each layer's captures as soon as it is summed
                 tap, rule, call, grouped = self._pending.pop()
-                names = {
-                    local: self._names[id(getattr(tap.module, local))] for local in tap.trainable
+                names = self._model_names(tap)
+                into = {
+                    local: slot
+                    for local, name in names.items()
+                    if (slot := self._slot(name, noise)) is not None
                 }
+                if noise is not None and self._pending and not self._pending[-1][1].fills_in_blocks:
+                    for name in self._model_names(self._pending[-1][0]).values():
+                        self._slot(name, noise)  # opened now: its noise fills meanwhile
                 if grouped is not None:
                     sums = {name: weights.to(g.dtype) @ g for name, g in grouped.items()}
                 else:
-                    into = {
-                        local: self._acc[name] for local, name in names.items() if name in self._acc
-                    }
                     sums = rule.add_clipped_sum(tap.module, call, weights, into)
                 call.release()
                 release(tap)
                 del call, grouped
                 for local, value in sums.items():
-                    self._add(names[local], value)
-                if completion is not None:
-                    self._complete(completion, names.values())
+                    self._add_into(names[local], into.get(local), value)
         finally:
             self._pending = []
 
-    def _holds(self, tap: Tap, names: frozenset[str]) -> bool:
-        """Whether one of the layer's trainable parameters is among ``names``."""
-        return any(self._names[id(getattr(tap.module, local))] in names for local in tap.trainable)
+    def _model_names(self, tap: Tap) -> dict[str, str]:
+        """The layer's trainable parameters: local name → name in the model."""
+        return {
+            local: self._names[id(getattr(tap.module, local))] for local in sorted(tap.trainable)
+        }
+
+    def noise_tail(self) -> frozenset[str]:
+        """Parameters of the layer summed last (the first watched layer with parameters)."""
+        for tap in self._taps.taps:
+            if tap.trainable:
+                return frozenset(self._model_names(tap).values())
+        return frozenset()

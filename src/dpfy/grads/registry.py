@@ -14,6 +14,7 @@ never dispatch on layer types with if/elif.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -22,7 +23,27 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from dpfy.grads.capture import Call
 
-__all__ = ["LayerRule", "find_rule", "register_rule", "registered_layers"]
+__all__ = ["Into", "LayerRule", "find_rule", "register_rule", "registered_layers"]
+
+
+def _ready_now(rows: int) -> None:
+    """A running sum that already holds its starting values: nothing to wait for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Into:
+    """A running sum a rule may add into in place, and when its rows may be written.
+
+    ``ready(rows)`` blocks until the first ``rows`` rows (dim 0) hold their starting values —
+    noise being filled in on the worker thread (:class:`dpfy.grads.engine.NoiseStart`).
+    """
+
+    tensor: Tensor
+    ready: Callable[[int], None] = _ready_now
+
+    def wait_all(self) -> None:
+        """Block until every row is ready."""
+        self.ready(self.tensor.shape[0] if self.tensor.dim() else 1)
 
 
 class LayerRule:
@@ -32,6 +53,10 @@ class LayerRule:
     #: gradient (the rule recomputes it, clipped). Only for layers whose forward is pure: the
     #: output may be re-rooted as a fresh leaf when no input requires grad.
     skip_param_grad: ClassVar[bool] = True
+
+    #: Whether ``add_clipped_sum`` writes a large parameter's sum block of rows by block of rows
+    #: (waiting on ``Into.ready`` per block), so noise filled in meanwhile overlaps the product.
+    fills_in_blocks: ClassVar[bool] = False
 
     #: Channels-first layers (convolutions, GroupNorm) see the batch in dim 0 even in a
     #: sequence-first model; see :func:`dpfy.grads.engine.GradEngine` on ``batch_first``.
@@ -65,14 +90,15 @@ class LayerRule:
 
     @classmethod
     def add_clipped_sum(
-        cls, layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+        cls, layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Into]
     ) -> dict[str, Tensor]:
-        """Add the weighted sum into ``into[name]`` in place where that saves a temporary.
+        """Add the weighted sum into ``into[name].tensor`` in place where that saves a temporary.
 
         ``into`` holds the engine's running sum (shaped like the parameter) for the parameters
-        that already have one. Rules of large layers add their product straight into it (e.g.
-        ``addmm_``), so a step never holds a second parameter-sized tensor; whatever a rule does
-        not add in place it returns, like :meth:`clipped_sum`. Default: nothing in place.
+        that have one. Rules of large layers add their product straight into it (e.g.
+        ``addmm_``, after ``ready``), so a step never holds a second parameter-sized tensor;
+        whatever a rule does not add in place it returns, like :meth:`clipped_sum`, and the
+        engine adds it. Default: nothing in place.
         """
         return cls.clipped_sum(layer, call, weights)
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from dpfy.grads.norms import sq_norm
+from dpfy.grads.registry import Into
 
 __all__ = [
     "bias_sq_norms",
@@ -86,30 +87,47 @@ def bias_sq_norms(g: Tensor, cache: dict[str, Tensor] | None = None, key: str = 
     return sq_norm(unit_grads, 1)
 
 
+#: Row blocks in which a product is added into a running sum whose noise is still being filled.
+FILL_BLOCKS = 8
+
+
 def weighted_weight_sum(
     a: Tensor,
     g: Tensor,
     weights: Tensor,
     unit_grads: Tensor | None = None,
-    out: Tensor | None = None,
+    into: Into | None = None,
 ) -> Tensor:
     """Σ_u w_u Σ_t g_ut a_utᵀ as one matrix product: (U, T, d), (U, T, p), (U,) → (p, d).
 
     With ``unit_grads`` (U, p, d) from :func:`weight_sq_norms`, a weighted sum of those instead.
-    With ``out`` (p, d) the sum is added into it in place (no (p, d) temporary) and returned.
+    With ``into`` ((p, d) running sum) the sum is added into it in place (no (p, d) temporary)
+    and returned; while its noise is being filled in, block by block of rows as they are ready.
     """
     if unit_grads is not None:
         total = torch.tensordot(weights.to(unit_grads.dtype), unit_grads, dims=1)
-        return total if out is None else out.add_(total)
+        if into is None:
+            return total
+        into.wait_all()
+        return into.tensor.add_(total)
     w = weights.to(a.dtype)[:, None, None]
     if a.shape[2] <= g.shape[2]:
         a = a * w
     else:
         g = g * w
     left, right = g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2])
-    if out is None or out.dtype != left.dtype:
-        return left @ right if out is None else out.add_(left @ right)
-    return out.addmm_(left, right)
+    if into is None:
+        return left @ right
+    out = into.tensor
+    if out.dtype != left.dtype:
+        into.wait_all()
+        return out.add_(left @ right)
+    rows = -(-out.shape[0] // FILL_BLOCKS)
+    for start in range(0, out.shape[0], rows):
+        stop = min(start + rows, out.shape[0])
+        into.ready(stop)
+        out[start:stop].addmm_(left[start:stop], right)
+    return out
 
 
 def weighted_bias_sum(

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from dpfy.grads.capture import Call
 from dpfy.grads.layout import flatten_positions, group_positions
-from dpfy.grads.registry import LayerRule, register_rule
+from dpfy.grads.registry import Into, LayerRule, register_rule
 from dpfy.grads.rules._bilinear import (
     bias_sq_norms,
     gram,
@@ -73,7 +73,7 @@ class InProjectionRule(LayerRule):
 
     @staticmethod
     def add_clipped_sum(  # type: ignore[override]
-        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Into]
     ) -> dict[str, Tensor]:
         """Each projection's product goes straight into its rows of the running sum if any."""
         pairs = _pairs(layer, call)
@@ -84,9 +84,12 @@ class InProjectionRule(LayerRule):
                 continue
             start, size = rows.get(name, 0), g.shape[2]
             rows[name] = start + size
-            summed = into[name][start : start + size] if name in into else None
-            block = weighted_weight_sum(a, g, weights, call.cache.get(str(j)), summed)
-            if summed is None:
+            slot = into.get(name)
+            if slot is not None:
+                slot.wait_all()
+                slot = Into(slot.tensor[start : start + size])
+            block = weighted_weight_sum(a, g, weights, call.cache.get(str(j)), slot)
+            if slot is None:
                 blocks.setdefault(name, []).append(block)
         out = {name: torch.cat(parts) for name, parts in blocks.items()}
         if "in_proj_bias" in call.trainable:

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from dpfy.grads.capture import Call
 from dpfy.grads.layout import flatten_positions, group_positions
 from dpfy.grads.norms import sq_norm
-from dpfy.grads.registry import LayerRule, register_rule
+from dpfy.grads.registry import Into, LayerRule, register_rule
 from dpfy.grads.rules._bilinear import (
     bias_sq_norms,
     weight_sq_norms,
@@ -26,6 +26,8 @@ def _units(x: Tensor, group: int) -> Tensor:
 @register_rule(nn.Linear)
 class LinearRule(LayerRule):
     """Weight gradient Σ_t g_t a_tᵀ, bias gradient Σ_t g_t, per unit."""
+
+    fills_in_blocks = True
 
     @staticmethod
     def sq_norms(layer: nn.Module, call: Call) -> Tensor:
@@ -51,15 +53,15 @@ class LinearRule(LayerRule):
 
     @staticmethod
     def add_clipped_sum(  # type: ignore[override]
-        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Into]
     ) -> dict[str, Tensor]:
         """The weight's product is added straight into the running sum when there is one."""
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
         out = {}
         if "weight" in call.trainable:
-            summed = into.get("weight")
-            total = weighted_weight_sum(a, g, weights, call.cache.get("weight"), summed)
-            if summed is None:
+            slot = into.get("weight")
+            total = weighted_weight_sum(a, g, weights, call.cache.get("weight"), slot)
+            if slot is None:
                 out["weight"] = total
         if "bias" in call.trainable:
             out["bias"] = weighted_bias_sum(g, weights, call.cache)
