@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -152,3 +153,26 @@ def test_seeded_run_saved_with_a_draw_waiting_resumes_exactly(tmp_path):
     train(resumed)
     assert resumed.ledger.steps == whole.ledger.steps == 8
     torch.testing.assert_close(weights(resumed), weights(whole), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows,row_size", [(1, 1), (10, 1), (512, 784), (10_000, 256), (33, 1000)])
+def test_row_blocks_cover_every_row_once_in_order(rows, row_size):
+    from dpfy.grads.registry import row_blocks
+
+    blocks = row_blocks(rows, row_size)
+    assert blocks[0][0] == 0 and blocks[-1][1] == rows
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(blocks))
+    assert blocks[-1][0] < blocks[-1][1]
+
+
+def test_filling_and_adding_draw_the_same_noise():
+    """One physical batch fills the last layer's sum; several add into it: same noise."""
+    total = torch.arange(512 * 40, dtype=torch.float32).reshape(512, 40)
+    filled, added = torch.empty(512, 40), total.clone()
+    first, second = NoiseAhead(TorchNoise(seed=8)), NoiseAhead(TorchNoise(seed=8))
+    ready = first.fill(filled, 1.5)
+    ready(512)
+    second.add_later(added, 1.5)
+    second.wait_later()
+    torch.testing.assert_close(added - total, filled, rtol=0, atol=1e-3)
+    assert float(filled.std()) == pytest.approx(1.5, rel=0.05)

@@ -29,12 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dpfy.grads.registry import row_blocks
 from dpfy.noise import NoiseSource
 
 __all__ = ["NoiseAhead"]
-
-#: Blocks of rows in which a running sum is filled with noise while a product is added into it.
-FILL_BLOCKS = 8
 
 #: What a draw is for: each parameter's name, shape, dtype and device, and the std.
 _Key = tuple[tuple[tuple[str, torch.Size, torch.dtype, torch.device], ...], float]
@@ -86,7 +84,6 @@ class _Fill:
     def __init__(self, source: NoiseSource, out: Tensor, std: float, *, add: bool) -> None:
         self.source, self.out, self.std, self.add = source, out, std, add
         self.rows = out.shape[0] if out.dim() else 1
-        self.step = max(1, -(-self.rows // FILL_BLOCKS))
         self.filled = 0
         self.error: BaseException | None = None
         self._progress = threading.Condition()
@@ -96,14 +93,14 @@ class _Fill:
         try:
             with torch.no_grad():
                 rows = self.out.view(1, -1) if self.out.dim() == 0 else self.out
-                for start in range(0, self.rows, self.step):
-                    block = rows[start : start + self.step]
+                for start, stop in row_blocks(self.rows, rows[0].numel() if self.rows else 1):
+                    block = rows[start:stop]
                     if self.add:
                         block.add_(self.source.normal(block, self.std))
                     else:
                         _fill(self.source, {"": block}, self.std)
                     with self._progress:
-                        self.filled = min(start + self.step, self.rows)
+                        self.filled = stop
                         self._progress.notify_all()
         except BaseException as error:  # re-raised by ready() in the training thread
             with self._progress:
@@ -208,7 +205,7 @@ class NoiseAhead:
         _worker().submit(job)
 
     def fill(self, out: Tensor, std: float) -> Callable[[int], None]:
-        """Fill ``out`` with N(0, std²) on the worker, ``FILL_BLOCKS`` blocks of rows in order.
+        """Fill ``out`` with N(0, std²) on the worker, in blocks of rows (``row_blocks``).
 
         Returns ``ready(rows)``, which blocks until the first ``rows`` rows are filled, so a
         product can be added into the rows already filled while the rest are drawn.

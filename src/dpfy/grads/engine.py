@@ -282,7 +282,9 @@ class GradEngine:
 
     def _finish_noise(self, noise: NoiseStart) -> None:
         """Give every named parameter its noise: sums formed before get it added, others filled."""
-        for name in sorted(noise.names):  # one stream order, however the names were reached
+        params = self.params
+        # One stream order however the names are reached: largest first, as the engines open them.
+        for name in sorted(noise.names, key=lambda n: (-params[n].numel(), n)):
             if name in self._noised:
                 continue
             if name in self._acc:

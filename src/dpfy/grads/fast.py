@@ -115,9 +115,9 @@ class FastEngine(GradEngine):
 
     def _model_names(self, tap: Tap) -> dict[str, str]:
         """The layer's trainable parameters: local name → name in the model."""
-        return {
-            local: self._names[id(getattr(tap.module, local))] for local in sorted(tap.trainable)
-        }
+        params = {local: getattr(tap.module, local) for local in tap.trainable}
+        order = sorted(params, key=lambda local: (-params[local].numel(), local))  # largest first
+        return {local: self._names[id(params[local])] for local in order}
 
     def noise_tail(self) -> frozenset[str]:
         """Parameters of the layer summed last (the first watched layer with parameters)."""

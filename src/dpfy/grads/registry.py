@@ -23,11 +23,28 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from dpfy.grads.capture import Call
 
-__all__ = ["Into", "LayerRule", "find_rule", "register_rule", "registered_layers"]
+__all__ = ["Into", "LayerRule", "find_rule", "register_rule", "registered_layers", "row_blocks"]
 
 
-def _ready_now(rows: int) -> None:
-    """A running sum that already holds its starting values: nothing to wait for."""
+#: Fewest values in one block of :func:`row_blocks` (smaller blocks cost more than they save).
+MIN_BLOCK = 1 << 14
+
+
+def row_blocks(rows: int, row_size: int = 1) -> list[tuple[int, int]]:
+    """Blocks of rows in which a running sum is filled with noise and a product added into it.
+
+    The first block is 1/32 of the rows (at least ``MIN_BLOCK`` values of ``row_size`` each)
+    and each next one doubles (1/32, 1/32, 1/16, …, 1/2): whoever adds into the rows waits
+    only for a small first block, then stays behind the fill.
+    """
+    first = max(-(-rows // 32), -(-MIN_BLOCK // max(row_size, 1)))
+    blocks, start, size = [], 0, max(1, first)
+    while start < rows:
+        stop = min(rows, start + size)
+        blocks.append((start, stop))
+        size = size if not blocks[:-1] else 2 * size
+        start = stop
+    return blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +52,17 @@ class Into:
     """A running sum a rule may add into in place, and when its rows may be written.
 
     ``ready(rows)`` blocks until the first ``rows`` rows (dim 0) hold their starting values —
-    noise being filled in on the worker thread (:class:`dpfy.grads.engine.NoiseStart`).
+    noise being filled in on the worker thread (:class:`dpfy.grads.engine.NoiseStart`); None:
+    the tensor is ready as it is.
     """
 
     tensor: Tensor
-    ready: Callable[[int], None] = _ready_now
+    ready: Callable[[int], None] | None = None
 
     def wait_all(self) -> None:
         """Block until every row is ready."""
-        self.ready(self.tensor.shape[0] if self.tensor.dim() else 1)
+        if self.ready is not None:
+            self.ready(self.tensor.shape[0] if self.tensor.dim() else 1)
 
 
 class LayerRule:

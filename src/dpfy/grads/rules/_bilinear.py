@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dpfy.grads.norms import sq_norm
-from dpfy.grads.registry import Into
+from dpfy.grads.registry import Into, row_blocks
 
 __all__ = [
     "bias_sq_norms",
@@ -87,10 +87,6 @@ def bias_sq_norms(g: Tensor, cache: dict[str, Tensor] | None = None, key: str = 
     return sq_norm(unit_grads, 1)
 
 
-#: Row blocks in which a product is added into a running sum whose noise is still being filled.
-FILL_BLOCKS = 8
-
-
 def weighted_weight_sum(
     a: Tensor,
     g: Tensor,
@@ -122,9 +118,9 @@ def weighted_weight_sum(
     if out.dtype != left.dtype:
         into.wait_all()
         return out.add_(left @ right)
-    rows = -(-out.shape[0] // FILL_BLOCKS)
-    for start in range(0, out.shape[0], rows):
-        stop = min(start + rows, out.shape[0])
+    if into.ready is None:  # one product (blocks would repack ``right`` once per block)
+        return out.addmm_(left, right)
+    for start, stop in row_blocks(out.shape[0], out.shape[1]):  # each block once its noise is in
         into.ready(stop)
         out[start:stop].addmm_(left[start:stop], right)
     return out
