@@ -1,10 +1,16 @@
 """Step time and peak memory of one DP-SGD step: non-private SGD vs dpfy fast / vmap (vs Opacus).
 
 Run: ``.venv/bin/python benchmarks/step_overhead.py [--models mlp cnn transformer] [--steps 10]``.
-Step times: all methods of a case in one process, interleaved step by step, fastest step kept
-(robust on a shared machine). Peak memory: one subprocess per (case, method), two steps after a
-warm-up step, peak bytes held by torch's allocator above the model, batch and optimizer state
-(CUDA: ``max_memory_allocated``; CPU: the profiler's allocator events). Ratios are against
+Step times: all methods of a case in one process, interleaved step by step (at least ``--steps``
+rounds and at least ``--seconds`` of non-private steps), fastest step kept (robust on a shared
+machine; the median is saved too). CPU time per step (all threads of the process) is measured
+alongside: dpfy draws noise on a worker thread while the model computes, so with ``--threads 1``
+it may use a second core that non-private training leaves idle — the CPU-time ratio shows that
+cost, the wall-clock ratio what a user waits. Peak memory: one subprocess per (case, method),
+two steps after a warm-up step, peak bytes held by torch's allocator above the model, batch and
+optimizer state (CUDA: ``max_memory_allocated``; CPU: the profiler's allocator events, which
+cover the training thread — dpfy's noise buffers are allocated there; the worker only fills
+them). Ratios are against
 non-private SGD of the same run; Opacus runs in each ``grad_sample_mode`` that works.
 ``dpfy_*`` steps include clipping, Gaussian noise on every parameter and the SGD update;
 ``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. Results go to
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -217,8 +224,14 @@ def measure_memory(case: str, method: str, device: str) -> int:
     return allocator_peak_bytes(run)
 
 
-def measure_times(case: str, methods: list[str], steps: int, device: str) -> dict[str, float]:
-    """Fastest step time per method, methods interleaved so machine load hits all alike."""
+def measure_times(
+    case: str, methods: list[str], steps: int, seconds: float, device: str
+) -> dict[str, dict[str, float]]:
+    """Fastest and median wall time and median CPU time per method, methods interleaved.
+
+    Interleaving makes machine load hit all methods alike; the number of rounds grows until the
+    non-private steps alone took ``seconds`` (cheap models get many more samples).
+    """
     model, x, y = make_case(case, device)
     runs = {}
     for m in methods:
@@ -231,14 +244,21 @@ def measure_times(case: str, methods: list[str], steps: int, device: str) -> dic
     methods = list(runs)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {m: [] for m in methods}
-    for _ in range(steps):
+    cpu: dict[str, list[float]] = {m: [] for m in methods}
+    rounds = 0
+    while rounds < steps or sum(times["nonprivate"]) < seconds:
+        rounds += 1
         for m in methods:
             sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             runs[m](x, y)
             sync()
             times[m].append(time.perf_counter() - start)
-    return {m: min(t) for m, t in times.items()}
+            cpu[m].append(time.process_time() - start_cpu)
+    return {
+        m: {"min": min(t), "median": statistics.median(t), "cpu": statistics.median(cpu[m])}
+        for m, t in times.items()
+    }
 
 
 def main() -> None:
@@ -246,7 +266,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="fewest interleaved rounds")
+    parser.add_argument(
+        "--seconds", type=float, default=3.0, help="least non-private time per case (s)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--memory-of", nargs=2, help=argparse.SUPPRESS)
@@ -269,18 +292,23 @@ def main() -> None:
                 peaks[case, method] = json.loads(done.stdout.strip().splitlines()[-1])["peak"]
     rows = []
     for case in args.models:
-        times = measure_times(case, methods, args.steps, args.device)
-        base_time, base_peak = times["nonprivate"], peaks.get((case, "nonprivate"))
-        for method, seconds in times.items():
+        times = measure_times(case, methods, args.steps, args.seconds, args.device)
+        base, base_peak = times["nonprivate"], peaks.get((case, "nonprivate"))
+        for method, t in times.items():
             peak = peaks.get((case, method))
-            row = {"case": case, "method": method, "seconds": seconds, "peak": peak}
-            row["time_ratio"] = seconds / base_time
+            row = {"case": case, "method": method, "seconds": t["min"], "peak": peak}
+            row["time_ratio"] = t["min"] / base["min"]
+            row["median_time_ratio"] = t["median"] / base["median"]
+            row["cpu_time_ratio"] = t["cpu"] / base["cpu"]
             row["memory_ratio"] = peak / base_peak if peak and base_peak else None
             rows.append(row)
             memory = (
                 f"peak +{peak / 2**20:7.1f} MiB ×{row['memory_ratio']:5.2f}" if peak else "peak ?"
             )
-            timing = f"{seconds * 1e3:8.1f} ms ×{row['time_ratio']:6.2f}"
+            timing = (
+                f"{t['min'] * 1e3:8.1f} ms ×{row['time_ratio']:6.2f} "
+                f"(median ×{row['median_time_ratio']:5.2f}, CPU ×{row['cpu_time_ratio']:5.2f})"
+            )
             print(f"{case:12s} {method:18s} {timing}   {memory}", flush=True)
     if any(m.startswith("opacus") for m in args.methods) and not _has_opacus():
         print("opacus: skipped (not installed)")
