@@ -230,7 +230,8 @@ def measure_times(
     """Fastest and median wall time and median CPU time per method, methods interleaved.
 
     Interleaving makes machine load hit all methods alike; the number of rounds grows until the
-    non-private steps alone took ``seconds`` (cheap models get many more samples).
+    non-private steps alone took ``seconds`` (cheap models get many more samples), within ten
+    times that in all.
     """
     model, x, y = make_case(case, device)
     runs = {}
@@ -245,8 +246,10 @@ def measure_times(
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {m: [] for m in methods}
     cpu: dict[str, list[float]] = {m: [] for m in methods}
-    rounds = 0
-    while rounds < steps or sum(times["nonprivate"]) < seconds:
+    rounds, began = 0, time.perf_counter()
+    while rounds < steps or (
+        sum(times["nonprivate"]) < seconds and time.perf_counter() - began < 10 * seconds
+    ):
         rounds += 1
         for m in methods:
             sync()
