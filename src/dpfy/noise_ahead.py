@@ -9,12 +9,21 @@ and backward passes run meanwhile (torch releases the interpreter lock inside it
 private optimizer then takes the finished buffers and has the engine add the clipped sum *into*
 them, so the step holds no second parameter-sized buffer.
 
+Buffers drawn ahead are held through the forward and backward passes, next to the activations
+the engine keeps for its clipped sums. So the parameters of the layer the engine sums last are
+not drawn ahead: :meth:`NoiseAhead.fill` fills their running sum during the clip phase, block by
+block of rows (:func:`dpfy.grads.registry.row_blocks`), while the engine adds the product into
+the rows already filled (or sums the layer before); :meth:`NoiseAhead.add_later` adds noise into
+a sum formed over several physical batches instead, drawing the same blocks, so both give the
+same noise.
+
 What this must not break:
 
 - every draw is used at most once — a draw that is not taken (a refused or failed step, a model
   moved to another device) is dropped, never handed out again;
 - a checkpoint saved while a draw is waiting stores the generator state from *before* that
   draw, so a resumed run draws exactly what an uninterrupted one would have;
+- one stream order: the worker runs every draw, fill and addition in the order they were asked;
 - nothing about the draw depends on data: shapes, dtypes, devices and the std only.
 """
 
@@ -128,8 +137,10 @@ class _Fill:
 
 
 class _Worker:
-    """One long-lived daemon thread per process running draws in order (cheaper than a thread
-    per step: starting one costs ~0.1 ms, a tenth of a percent of a step or more)."""
+    """One long-lived daemon thread per process that runs the noise jobs in order.
+
+    Cheaper than a thread per step: starting one costs ~0.1 ms, 1 % of a small model's step.
+    """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -194,11 +205,10 @@ class NoiseAhead:
         return buffers
 
     def add_later(self, total: Tensor, std: float) -> None:
-        """Add N(0, std²) into ``total`` in place on the worker, after the draws queued before.
+        """Add N(0, std²) into the finished sum ``total`` in place on the worker.
 
-        For parameters whose noise is not drawn ahead (memory): their sum is final before the
-        rest of the step is, and the worker adds their noise meanwhile. :meth:`wait_later` blocks
-        until every such addition is done.
+        For a parameter not drawn ahead whose sum began before this physical batch (virtual
+        batching): the same blocks as :meth:`fill` draws. :meth:`wait_later` blocks until done.
         """
         job = _Fill(self.source, total, std, add=True)
         self._later.append(job)
@@ -216,13 +226,13 @@ class NoiseAhead:
         return job.ready
 
     def wait_later(self) -> None:
-        """Wait for every :meth:`add_later`; raise the first error among them."""
+        """Wait for every :meth:`fill` and :meth:`add_later`; raise the first error among them."""
         jobs, self._later = self._later, []
         for job in jobs:
             job.wait()
 
     def _settle_later(self) -> None:
-        """Let every queued addition finish (errors stay for :meth:`wait_later`)."""
+        """Let every queued fill and addition finish (errors stay for :meth:`wait_later`)."""
         for job in self._later:
             job.settle()
 

@@ -14,7 +14,8 @@ Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enfor
 
 The noise does not depend on the data, so it is drawn ahead: ``zero_grad()`` opening a logical
 batch starts the draw on a worker thread (:mod:`dpfy.noise_ahead`) while the model computes, and
-the engine adds the clipped sums into the drawn buffers in place.
+the engine adds the clipped sums into the drawn buffers in place; the layer the engine sums last
+gets its noise filled in during the clip instead (memory).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ Contract for the optimizer that consumes an engine
     channels-first layers (convolutions, GroupNorm) keep the batch first.
 
 ``engine.clip_and_accumulate(max_grad_norm, loss_reduction="mean", *, microbatch_size=None,
-groups=None)``
+groups=None, noise=None)``
     Call once after each ``loss.backward()``. ``loss_reduction`` states how the loss combined the
     n examples of the physical batch: ``"mean"`` (loss = (1/n) Σ ℓᵢ; gradients are multiplied
     back by n) or ``"sum"``. Adds the clipped sum into the accumulator (so physical batches add up
@@ -41,7 +41,18 @@ groups=None)``
     Afterwards every trainable ``p.grad`` is **None**: the non-private gradient of the backward
     pass is discarded, so an optimizer cannot step on it by accident. An empty batch (n = 0), or
     no backward since the last call, adds nothing and reports 0 examples; it never raises, and
-    the optimizer must still add noise (DESIGN rule 3).
+    the optimizer must still add noise (DESIGN rule 3). ``noise`` (a :class:`NoiseStart`, on
+    the last physical batch of a logical batch) opens the named parameters' sums from noise
+    filled in on a worker thread while the engine sums (each exactly once, also on an empty
+    batch); see :class:`dpfy.optim.DPOptimizer`.
+
+``engine.begin_sum(initial)`` / ``engine.summing`` / ``engine.noise_tail()``
+    Start the next logical batch's sum from given tensors (the private optimizer passes the
+    noise it drew ahead) instead of zeros: clipped sums are then added into them in place
+    (rules with ``add_clipped_sum`` write their products straight in), so a step holds no second
+    parameter-sized buffer. ``summing`` says whether a logical batch's sum is open.
+    ``noise_tail()`` names the parameters of the layer the engine sums last, whose noise the
+    optimizer fills in during the clip instead of holding it through forward and backward.
 
 ``engine.summed_grads() -> dict[str, Tensor]``
     The accumulated clipped sum for *every* trainable parameter, keyed by the name it has in
@@ -85,8 +96,8 @@ Engines
     grows with batch × the largest layer. The general fallback and the tests' second reference.
 
 Adding a layer type: subclass :class:`LayerRule` (``sq_norms``, ``clipped_sum``, optionally
-``per_example_grads``), decorate it with ``@register_rule(MyLayer)``, and test it against the
-batch-of-one reference in ``tests/test_grads.py``.
+``per_example_grads`` and ``add_clipped_sum``), decorate it with ``@register_rule(MyLayer)``,
+and test it against the batch-of-one reference in ``tests/test_grads.py``.
 
 Batch-coupled layers (BatchNorm) are not detected here; :mod:`dpfy.checks` refuses them. A
 parameter that receives a gradient outside any watched layer call makes ``clip_and_accumulate``
