@@ -37,6 +37,8 @@ class FastEngine(GradEngine):
         """Same arguments as :class:`GradEngine`; every tap must have a rule."""
         super().__init__(*args, **kwargs)
         self._pending: list[_Pending] = []
+        tail = next((tap for tap in self._taps.taps if tap.trainable), None)
+        self._tail = frozenset() if tail is None else frozenset(self._model_names(tail).values())
 
     def _rule(self, tap: Tap) -> type[LayerRule]:
         """The tap's rule (``make_engine`` checked that there is one)."""
@@ -121,7 +123,4 @@ class FastEngine(GradEngine):
 
     def noise_tail(self) -> frozenset[str]:
         """Parameters of the layer summed last (the first watched layer with parameters)."""
-        for tap in self._taps.taps:
-            if tap.trainable:
-                return frozenset(self._model_names(tap).values())
-        return frozenset()
+        return self._tail
