@@ -176,3 +176,43 @@ def test_filling_and_adding_draw_the_same_noise():
     second.wait_later()
     torch.testing.assert_close(added - total, filled, rtol=0, atol=1e-3)
     assert float(filled.std()) == pytest.approx(1.5, rel=0.05)
+
+
+class SlowConstant:
+    """Noise std everywhere, drawn slowly: a sum added before the fill ends would be lost."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
+        import time
+
+        time.sleep(self.delay)
+        return torch.full(like.shape, std)
+
+
+def test_a_sum_opened_from_noise_early_waits_for_its_fill():
+    """The embedding is summed last; its noise fills while the layer before sums (look-ahead)."""
+
+    def update(engine: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 3, 4))
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, 50, (60, 3), generator=g)
+        data = TensorDataset(x, torch.randint(0, 4, (60,), generator=g))
+        private = dpfy.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), data, batch_size=20, steps=1,
+            noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=3, engine=engine,
+        )  # fmt: skip
+        tail = {"fast": {"0.weight"}, "vmap": set()}[engine]
+        assert private.engine.noise_tail() == tail
+        private.optimizer.noise = SlowConstant(0.2)  # the fill ends long after the sums
+        before = model[0].weight.detach().clone()
+        x, y = next(iter(private.loader))
+        private.optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        private.optimizer.step()
+        return model[0].weight.detach() - before
+
+    # vmap draws all noise ahead: the same noise, summed after it is complete
+    torch.testing.assert_close(update("fast"), update("vmap"))

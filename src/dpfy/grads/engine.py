@@ -93,6 +93,7 @@ class GradEngine:
         self._acc: dict[str, Tensor] = {}
         self._summing = False  # a logical batch's sum is open (begun, or added to)
         self._noised: set[str] = set()  # NoiseStart names already given their noise this call
+        self._filling: dict[str, Into] = {}  # sums opened from noise this call, with their wait
         self.num_examples = 0  # examples accumulated since the last reset
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
@@ -145,12 +146,13 @@ class GradEngine:
             # The norms and sums are data, not part of any graph: under autograd every layer's
             # captured tensors would stay alive in their history until the step ended.
             with torch.no_grad():
-                self._noised = set()
+                self._noised, self._filling = set(), {}
                 result = self._clip_batch(clip, loss_reduction, group, groups, noise)
                 if noise is not None:
                     self._finish_noise(noise)
                 return result
         finally:
+            self._filling = {}  # the running sums stay in the accumulator only
             self._release()
 
     def _clip_batch(
@@ -261,7 +263,10 @@ class GradEngine:
         """The running sum of ``name`` to add into; opened from noise where ``noise`` says so.
 
         None: no sum yet and no noise to start from — the first sum becomes the running sum.
+        A sum opened from noise earlier in this call keeps its wait: its fill may be running.
         """
+        if name in self._filling:
+            return self._filling[name]
         if name in self._acc:
             return Into(self._acc[name])
         if noise is None or name not in noise.names or name in self._noised:
@@ -270,7 +275,8 @@ class GradEngine:
         total = torch.empty_like(self.params[name], memory_format=torch.contiguous_format)
         self._acc[name] = total
         self._summing = True
-        return Into(total, noise.fill(total))
+        self._filling[name] = Into(total, noise.fill(total))
+        return self._filling[name]
 
     def _add_into(self, name: str, slot: Into | None, value: Tensor) -> None:
         """Add one parameter's sum into its slot once the slot is ready (or start the sum)."""
