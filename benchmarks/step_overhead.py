@@ -14,7 +14,8 @@ them). Ratios are against
 non-private SGD of the same run; Opacus runs in each ``grad_sample_mode`` that works.
 ``dpfy_*`` steps include clipping, Gaussian noise on every parameter and the SGD update;
 ``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. Results go to
-``benchmarks/results/step_overhead.json``.
+``benchmarks/results/step_overhead.json`` (``--out``; the README's all-threads run writes
+``step_overhead_all_threads.json``).
 """
 
 from __future__ import annotations
@@ -275,6 +276,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).with_name("results") / "step_overhead.json"
+    )
     parser.add_argument("--memory-of", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
@@ -314,10 +318,9 @@ def main() -> None:
             print(f"{case:12s} {method:18s} {timing}   {memory}", flush=True)
     if any(m.startswith("opacus") for m in args.methods) and not _has_opacus():
         print("opacus: skipped (not installed)")
-    out = Path(__file__).with_name("results") / "step_overhead.json"
-    out.parent.mkdir(exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads()}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
 
 #: Methods timed together with non-private SGD; every other method is timed in a round of its own

@@ -37,13 +37,12 @@ def row_blocks(rows: int, row_size: int = 1) -> list[tuple[int, int]]:
     and each next one doubles (1/32, 1/32, 1/16, …, 1/2): whoever adds into the rows waits
     only for a small first block, then stays behind the fill.
     """
-    first = max(-(-rows // 32), -(-MIN_BLOCK // max(row_size, 1)))
-    blocks, start, size = [], 0, max(1, first)
-    while start < rows:
-        stop = min(rows, start + size)
-        blocks.append((start, stop))
-        size = size if not blocks[:-1] else 2 * size
-        start = stop
+    size = max(1, -(-rows // 32), -(-MIN_BLOCK // max(row_size, 1)))
+    blocks = [(0, min(rows, size))]
+    while blocks[-1][1] < rows:
+        start = blocks[-1][1]
+        blocks.append((start, min(rows, start + size)))
+        size *= 2  # the second block is as small as the first; then each doubles
     return blocks
 
 
