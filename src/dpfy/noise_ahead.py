@@ -29,10 +29,11 @@ What this must not break:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ class _Draw:
         # allocator arena, which the rest of the step reuses; a worker's arena would be grown
         # and trimmed back every step, and pages faulted in again.
         self.buffers = _empty_buffers(key)
+        self.streams = _current_streams(self.buffers.values())
         self.error: BaseException | None = None
         self._done = threading.Event()
 
@@ -64,7 +66,8 @@ class _Draw:
         """Note the source's state, fill every buffer; keep an error for the thread that waits."""
         try:
             self.state_before = _state_of(self.source)
-            _fill(self.source, self.buffers, self.key[1])
+            with _on_streams(self.streams):
+                _fill(self.source, self.buffers, self.key[1])
         except BaseException as error:  # re-raised by result() in the training thread
             self.error = error
         finally:
@@ -93,6 +96,7 @@ class _Fill:
     def __init__(self, source: NoiseSource, out: Tensor, std: float, *, add: bool) -> None:
         self.source, self.out, self.std, self.add = source, out, std, add
         self.rows = out.shape[0] if out.dim() else 1
+        self.streams = _current_streams([out])
         self.filled = 0
         self.error: BaseException | None = None
         self._progress = threading.Condition()
@@ -100,7 +104,7 @@ class _Fill:
     def run(self) -> None:
         """Fill (or add into) each block of rows in order, announcing each as it is done."""
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _on_streams(self.streams):
                 rows = self.out.view(1, -1) if self.out.dim() == 0 else self.out
                 for start, stop in row_blocks(self.rows, rows[0].numel() if self.rows else 1):
                     block = rows[start:stop]
@@ -293,3 +297,23 @@ def _state_of(source: NoiseSource) -> Any:
     """The source's saved state, or None for a source that keeps none."""
     save = getattr(source, "state_dict", None)
     return save() if save is not None else None
+
+
+def _current_streams(tensors: Iterable[Tensor]) -> dict[torch.device, Any]:
+    """The training thread's current CUDA stream on each device these tensors live on.
+
+    The worker launches its kernels on the same streams, so on a GPU the training thread's later
+    kernels (queued after it waited for the worker) run after the noise is in.
+    """
+    return {
+        t.device: torch.cuda.current_stream(t.device) for t in tensors if t.device.type == "cuda"
+    }
+
+
+@contextlib.contextmanager
+def _on_streams(streams: dict[torch.device, Any]) -> Iterator[None]:
+    """Make these the worker thread's current streams (nothing to do on a CPU)."""
+    with contextlib.ExitStack() as stack:
+        for stream in streams.values():
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
