@@ -216,3 +216,19 @@ def test_a_sum_opened_from_noise_early_waits_for_its_fill():
 
     # vmap draws all noise ahead: the same noise, summed after it is complete
     torch.testing.assert_close(update("fast"), update("vmap"))
+
+
+def test_the_interpreter_exits_cleanly_with_a_draw_still_queued():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from dpfy.noise import TorchNoise\n"
+        "from dpfy.noise_ahead import NoiseAhead\n"
+        "ahead = NoiseAhead(TorchNoise(seed=0))\n"
+        "ahead.prepare({'w': torch.zeros(2000, 2000)}, 1.0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Fatal" not in done.stderr

@@ -29,6 +29,7 @@ What this must not break:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
@@ -148,16 +149,29 @@ class _Worker:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._jobs: queue.SimpleQueue[_Draw | _Fill] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Draw | _Fill | threading.Event] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="dpfy-noise", daemon=True).start()
+        atexit.register(self.drain)
 
     def submit(self, job: _Draw | _Fill) -> None:
         """Queue a job; it runs after those queued before it (one stream order)."""
         self._jobs.put(job)
 
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until the jobs queued so far have run (at exit: no kernel left mid-flight)."""
+        if os.getpid() != self.pid:
+            return
+        done = threading.Event()
+        self._jobs.put(done)
+        done.wait(timeout)
+
     def _serve(self) -> None:
         while True:
-            self._jobs.get().run()
+            job = self._jobs.get()
+            if isinstance(job, threading.Event):
+                job.set()
+            else:
+                job.run()
 
 
 _WORKER: _Worker | None = None
