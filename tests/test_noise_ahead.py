@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.grads.registry import row_blocks
 from dpfy.noise import TorchNoise
 from dpfy.noise_ahead import NoiseAhead
 
@@ -157,8 +161,6 @@ def test_seeded_run_saved_with_a_draw_waiting_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("rows,row_size", [(1, 1), (10, 1), (512, 784), (10_000, 256), (33, 1000)])
 def test_row_blocks_cover_every_row_once_in_order(rows, row_size):
-    from dpfy.grads.registry import row_blocks
-
     blocks = row_blocks(rows, row_size)
     assert blocks[0][0] == 0 and blocks[-1][1] == rows
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(blocks))
@@ -185,8 +187,6 @@ class SlowConstant:
         self.delay = delay
 
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
-        import time
-
         time.sleep(self.delay)
         return torch.full(like.shape, std)
 
@@ -219,9 +219,6 @@ def test_a_sum_opened_from_noise_early_waits_for_its_fill():
 
 
 def test_the_interpreter_exits_cleanly_with_a_draw_still_queued():
-    import subprocess
-    import sys
-
     code = (
         "import torch\n"
         "from dpfy.noise import TorchNoise\n"
