@@ -20,6 +20,7 @@ gets its noise filled in during the clip instead (memory).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -155,8 +156,9 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         if not self.engine.summing:
-            self.noise.prepare(self._drawn_ahead(), self._noise_share)
+            self.noise.prepare(self._drawn_ahead, self._noise_share)
 
+    @functools.cached_property
     def _drawn_ahead(self) -> dict[str, torch.Tensor]:
         """Parameters whose noise is drawn ahead: all but those of the layer summed last.
 
@@ -164,7 +166,7 @@ class DPOptimizer(torch.optim.Optimizer):
         layer summed last is usually the first layer, often the largest (an MLP's input layer,
         a transformer's embedding); its sum is instead opened from noise filled in while the
         engine sums (:class:`dpfy.grads.NoiseStart`), so that memory is only needed when the
-        other layers' captured activations are gone.
+        other layers' captured activations are gone. Fixed for the engine's life: computed once.
         """
         tail = self.engine.noise_tail()
         return {name: p for name, p in self.engine.params.items() if name not in tail}
@@ -184,7 +186,7 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self.engine.summing:  # the batch's sum starts from its noise (drawn once, used once)
-            self.engine.begin_sum(self.noise.take(self._drawn_ahead(), self._noise_share))
+            self.engine.begin_sum(self.noise.take(self._drawn_ahead, self._noise_share))
         during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share)
         result = self._clip(during if self.boundary.closes_batch else None)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training

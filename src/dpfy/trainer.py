@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from rich.console import Console
@@ -35,6 +36,34 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
     "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
 }
+
+
+class ModelChoice(Protocol):
+    """What a run's model and optimizer are built from (train and tuning configs alike)."""
+
+    model: str
+    optimizer: str
+    lr: float
+    seed: int | None
+
+
+class DataShape(Protocol):
+    """What the model's input and output layers are sized from."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def fresh_model(config: ModelChoice, data: DataShape) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The run's model, initialised from its public seed, and its torch optimizer.
+
+    Every run (private, baseline, tuning trial, final run) starts from the same initialisation
+    for the same seed, so their accuracies compare like for like.
+    """
+    torch.manual_seed(public_seed(config.seed))
+    model = build_model(config.model, data.input_shape, data.num_classes)
+    return model, OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
+
 
 #: Files whose presence marks a directory as holding a finished run (never overwritten).
 FINISHED_MARKERS = ("report.json", "facts.json")
@@ -184,9 +213,7 @@ def train_private(
 
 def train_baseline(config: TrainConfig, data: LoadedDataset) -> float:
     """The same model, optimizer and schedule without privacy: the accuracy DP is compared to."""
-    torch.manual_seed(public_seed(config.seed))
-    model = build_model(config.model, data.input_shape, data.num_classes)
-    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
+    model, optimizer = fresh_model(config, data)
     generator = torch.Generator().manual_seed(public_seed(config.seed))
     loader = DataLoader(data.train, batch_size=config.batch_size, shuffle=True, generator=generator)
     criterion = nn.CrossEntropyLoss()
@@ -231,9 +258,7 @@ def _run_training(config: TrainConfig, console: Console | None = None) -> TrainR
     data = load_dataset(config.dataset, data_dir=config.data_dir)
     split = _user_split(config, data)
     delta = config.resolved_delta(len(data.train) if split is None else split.num_users)
-    torch.manual_seed(public_seed(config.seed))
-    model = build_model(config.model, data.input_shape, data.num_classes)
-    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
+    model, optimizer = fresh_model(config, data)
     private = make_private(
         model,
         optimizer,

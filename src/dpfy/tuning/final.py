@@ -13,16 +13,13 @@ import io
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 
 from dpfy.data.datasets import LoadedDataset
 from dpfy.facts import ResultFacts, collect_facts, record_clip_norms
-from dpfy.models import build_model
 from dpfy.report import write_report
-from dpfy.run_config import public_seed
 from dpfy.session import make_private
-from dpfy.trainer import OPTIMIZERS, accuracy, train_private
+from dpfy.trainer import accuracy, fresh_model, train_private
 from dpfy.tuning.trial import TrialConfig
 from dpfy.tuning.tuner import TuningOutcome
 
@@ -40,9 +37,7 @@ def train_final(
     dataset_name: str,
 ) -> dict[str, Any]:
     """Train ``config`` at ``target_epsilon``; record ``tuning`` in its ledger; maybe report."""
-    torch.manual_seed(public_seed(config.seed))
-    model = build_model(config.model, data.input_shape, data.num_classes)
-    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
+    model, optimizer = fresh_model(config, data)
     private = make_private(
         model,
         optimizer,

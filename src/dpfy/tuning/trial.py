@@ -22,10 +22,8 @@ from torch.utils.data import Subset, TensorDataset
 from dpfy._validate import check_count, check_positive, check_range
 from dpfy.accounting.events import DpEvent
 from dpfy.facts import record_clip_norms
-from dpfy.models import build_model
-from dpfy.run_config import public_seed
 from dpfy.session import make_private
-from dpfy.trainer import OPTIMIZERS, accuracy
+from dpfy.trainer import OPTIMIZERS, accuracy, fresh_model
 
 #: σ a zero-noise trial's throwaway session is built with; its noise source is then replaced by
 #: zeros and its ledger discarded (never reported).
@@ -115,9 +113,7 @@ def _sampling_event(private: object) -> DpEvent:
 
 def run_trial(config: TrialConfig, data: TuningData, delta: float) -> TrialResult:
     """Train ``config`` privately on ``data.train`` and count correct validation predictions."""
-    torch.manual_seed(public_seed(config.seed))
-    model = build_model(config.model, data.input_shape, data.num_classes)
-    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), config.lr)
+    model, optimizer = fresh_model(config, data)
     zero_noise = config.noise_multiplier == 0.0
     private = make_private(
         model,
