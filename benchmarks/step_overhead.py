@@ -16,9 +16,9 @@ non-private SGD of the same run; Opacus runs in each ``grad_sample_mode`` that w
 ``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. On glibc,
 building a dpfy engine has ``malloc`` keep freed memory for the next step
 (:mod:`dpfy.cpu_allocator`); that is process-wide and happens before any step is timed, so every
-method here, non-private included, runs under it (``DPFY_KEEP_FREED_MEMORY=0``: none does). Results go to
-``benchmarks/results/step_overhead.json`` (``--out``; the README's all-threads run writes
-``step_overhead_all_threads.json``).
+method here, non-private included, runs under it (``DPFY_KEEP_FREED_MEMORY=0``: none does).
+Results go to ``benchmarks/results/step_overhead.json`` (``--out``; the README's all-threads run
+writes ``step_overhead_all_threads.json``).
 """
 
 from __future__ import annotations
