@@ -173,8 +173,12 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @property
     def _noise_share(self) -> float:
-        """Std of the noise this process adds: σ·sensitivity, split over the ranks."""
-        return self.aggregator.share_std(self.settings.noise_std)
+        """Std of the noise this process adds to the average: σ·sensitivity/B, over the ranks.
+
+        The sum is formed already divided by the expected units (see :meth:`_clip`), so the
+        noise is drawn at that scale too: no pass over the parameters divides it afterwards.
+        """
+        return self.aggregator.share_std(self.settings.noise_std) / self.settings.divisor
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Clip this batch; at the end of a logical batch, noise, account, and update.
@@ -188,7 +192,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if not self.engine.summing:  # the batch's sum starts from its noise (drawn once, used once)
             self.engine.begin_sum(self.noise.take(self._drawn_ahead, self._noise_share))
         during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share)
-        result = self._clip(during if self.boundary.closes_batch else None)
+        result = self._clip(
+            during if self.boundary.closes_batch else None, scale=1.0 / self.settings.divisor
+        )
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
@@ -217,29 +223,30 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.reset()
         return loss
 
-    def _clip(self, noise: NoiseStart | None = None) -> ClipResult:
+    def _clip(self, noise: NoiseStart | None = None, scale: float = 1.0) -> ClipResult:
         """Clip this physical batch's units into the engine's sum (per example or microbatch).
 
         ``noise``: on the last physical batch, the parameters whose noise is filled in now.
+        ``scale`` multiplies each clipped unit before it is summed (``step`` passes 1/B).
         """
         return self.engine.clip_and_accumulate(
             self.settings.max_grad_norm,
             self.loss_reduction,
             microbatch_size=self.settings.microbatch_size,
             noise=noise,
+            scale=scale,
         )
 
     def _write_private_grads(self) -> None:
         """p.grad = (clipped sum + N(0, (σ·sensitivity)²)) / expected units, for every param.
 
-        The engine's sum began from this batch's noise; across ranks the aggregator sums the
-        ranks' noised shares (dpfy.distributed).
+        The engine's sum began from this batch's noise and both were formed at 1/B scale;
+        across ranks the aggregator sums the ranks' noised shares (dpfy.distributed).
         """
-        divisor = self.settings.divisor
         self.noise.wait_later()
         noisy = self.aggregator.combine(self.engine.summed_grads())
         for name, total in noisy.items():
-            self.engine.params[name].grad = total.div_(divisor)
+            self.engine.params[name].grad = total
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state (the ledger and noise are saved by the session)."""

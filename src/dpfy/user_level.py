@@ -89,7 +89,7 @@ class UserDPOptimizer(DPOptimizer):
             raise ValueError("user-level DP-SGD clips per user; do not set microbatch_size")
         self.groups = groups
 
-    def _clip(self, noise: NoiseStart | None = None) -> ClipResult:
+    def _clip(self, noise: NoiseStart | None = None, scale: float = 1.0) -> ClipResult:
         """Average each user's per-example gradients, clip that mean to C, add it to the sum."""
         users = self.groups.current
         if users is None:
@@ -98,7 +98,7 @@ class UserDPOptimizer(DPOptimizer):
                 "(for batch in private.loader: ...), which says whose example is whose"
             )
         return self.engine.clip_and_accumulate(
-            self.settings.max_grad_norm, self.loss_reduction, groups=users, noise=noise
+            self.settings.max_grad_norm, self.loss_reduction, groups=users, noise=noise, scale=scale
         )
 
 

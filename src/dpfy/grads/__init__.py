@@ -25,12 +25,14 @@ Contract for the optimizer that consumes an engine
     channels-first layers (convolutions, GroupNorm) keep the batch first.
 
 ``engine.clip_and_accumulate(max_grad_norm, loss_reduction="mean", *, microbatch_size=None,
-groups=None, noise=None)``
+groups=None, noise=None, scale=1.0)``
     Call once after each ``loss.backward()``. ``loss_reduction`` states how the loss combined the
     n examples of the physical batch: ``"mean"`` (loss = (1/n) Σ ℓᵢ; gradients are multiplied
     back by n) or ``"sum"``. Adds the clipped sum into the accumulator (so physical batches add up
     to one logical batch: virtual batching) and returns a :class:`ClipResult` with the per-unit
     norms *before* clipping (``norms``, detached), ``num_examples`` and ``num_units``.
+    ``scale`` multiplies every clipped unit gradient before it is summed (the private optimizer
+    passes 1/B, so the sum it reads is already the average).
     ``microbatch_size=k`` clips the *average* gradient of each group of k consecutive examples
     instead (guide alg. 3; a last, smaller group is averaged over its own size). Its sensitivity
     is **2C**: the optimizer must add noise of std 2σC (DESIGN rule 6); the engine only sums.

@@ -116,6 +116,7 @@ class GradEngine:
         microbatch_size: int | None = None,
         groups: Tensor | None = None,
         noise: NoiseStart | None = None,
+        scale: float = 1.0,
     ) -> ClipResult:
         """Clip each unit's gradient to ``max_grad_norm`` and add the clipped sum to the total.
 
@@ -130,10 +131,13 @@ class GradEngine:
         non-private gradient of the backward pass is discarded so it cannot be used by accident.
         An empty batch (or no backward since the last call) adds nothing and reports 0 examples.
         ``noise`` (last physical batch of a logical batch only) starts the named parameters'
-        sums from noise filled in meanwhile (see :class:`NoiseStart`).
+        sums from noise filled in meanwhile (see :class:`NoiseStart`). ``scale`` multiplies each
+        clipped unit gradient before it is summed (the private optimizer passes 1/B, so the sum
+        is the average without a pass over the parameters); the reported norms are unscaled.
         """
         self._require_attached()
         clip = check_positive("max_grad_norm", max_grad_norm)
+        check_positive("scale", scale)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         group = 1 if microbatch_size is None else check_count("microbatch_size", microbatch_size)
@@ -147,7 +151,7 @@ class GradEngine:
             # captured tensors would stay alive in their history until the step ended.
             with torch.no_grad():
                 self._noised, self._filling = set(), {}
-                result = self._clip_batch(clip, loss_reduction, group, groups, noise)
+                result = self._clip_batch(clip, loss_reduction, group, groups, noise, scale)
                 if noise is not None:
                     self._finish_noise(noise)
                 return result
@@ -162,8 +166,9 @@ class GradEngine:
         group: int,
         groups: Tensor | None,
         noise: NoiseStart | None,
+        sum_scale: float,
     ) -> ClipResult:
-        """Clip the captured batch's units and add their clipped sum to the total."""
+        """Clip the captured batch's units and add their clipped sum (× ``sum_scale``)."""
         calls = self._collect_calls()
         n = self._batch_size(calls)
         if groups is not None and groups.numel() != n:
@@ -182,7 +187,7 @@ class GradEngine:
         scale = scale.to(sq.device, sq.dtype)
         norms = sq.clamp_min(0).sqrt() * scale
         factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
-        self._accumulate(factors * scale, noise)
+        self._accumulate(factors * (scale * sum_scale), noise)
         self.num_examples += n
         return ClipResult(norms.detach(), n, units.count)
 
