@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -178,6 +180,50 @@ def test_filling_and_adding_draw_the_same_noise():
     second.wait_later()
     torch.testing.assert_close(added - total, filled, rtol=0, atol=1e-3)
     assert float(filled.std()) == pytest.approx(1.5, rel=0.05)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run with ``count`` torch threads (the suite runs with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def noise_sequence(source: TorchNoise | SlowConstant) -> list[torch.Tensor]:
+    """What one run of prepare/take, fill and add_later hands out, in order."""
+    ahead, out = NoiseAhead(source), []
+    for _ in range(2):
+        ahead.prepare(params(), 2.0)
+        out.extend(ahead.take(params(), 2.0).values())
+        tail, total = torch.empty(600, 300), torch.zeros(300, 300)
+        ahead.fill(tail, 2.0)(600)
+        ahead.add_later(total, 2.0)
+        ahead.wait_later()
+        out += [tail, total]
+    return out
+
+
+def test_noise_is_drawn_here_when_torch_threads_use_every_core():
+    """With several torch threads nothing runs on the worker, and the noise is the same."""
+    names: list[str] = []
+
+    class Recording(TorchNoise):
+        def fill_(self, out: torch.Tensor, std: float) -> torch.Tensor:
+            names.append(threading.current_thread().name)
+            return super().fill_(out, std)
+
+    concurrent = noise_sequence(Recording(seed=4))
+    assert set(names) == {"dpfy-noise"}
+    names.clear()
+    with torch_threads(2):
+        here = noise_sequence(Recording(seed=4))
+    assert set(names) == {threading.current_thread().name}
+    assert len(here) == len(concurrent)
+    assert all(torch.equal(a, b) for a, b in zip(here, concurrent, strict=True))
 
 
 class SlowConstant:

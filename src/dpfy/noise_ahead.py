@@ -9,6 +9,11 @@ and backward passes run meanwhile (torch releases the interpreter lock inside it
 private optimizer then takes the finished buffers and has the engine add the clipped sum *into*
 them, so the step holds no second parameter-sized buffer.
 
+That needs a core the model leaves idle: with one torch thread (``torch.set_num_threads(1)``)
+on a machine with more cores. When torch's own threads use every core, a draw running beside
+them would only stall them (torch's idle threads spin-wait for the next kernel), so each draw
+instead runs on the training thread when it is needed; the noise is the same either way.
+
 Buffers drawn ahead are held through the forward and backward passes, next to the activations
 the engine keeps for its clipped sums. So the parameters of the layer the engine sums last are
 not drawn ahead: :meth:`NoiseAhead.fill` fills their running sum during the clip phase, block by
@@ -202,8 +207,12 @@ class NoiseAhead:
         self._later: list[_Fill] = []
 
     def prepare(self, params: Mapping[str, Tensor], std: float) -> None:
-        """Start drawing the next step's noise on a worker thread (no-op if one is waiting)."""
-        if self._pending is not None:
+        """Start drawing the next step's noise on a worker thread (no-op if one is waiting).
+
+        Also a no-op while torch's threads use every core (:func:`draws_concurrently`):
+        :meth:`take` then draws on the spot.
+        """
+        if self._pending is not None or not draws_concurrently():
             return
         self._pending = _Draw(self.source, _key(params, std))
         _worker().submit(self._pending)
@@ -218,9 +227,9 @@ class NoiseAhead:
                 return buffers
             # The model changed after prepare(): the draw is dropped, never used, and the
             # stream simply continues past it.
-        buffers = _empty_buffers(key)
-        _fill(self.source, buffers, key[1])
-        return buffers
+        draw = _Draw(self.source, key)
+        draw.run()
+        return draw.result()
 
     def add_later(self, total: Tensor, std: float) -> None:
         """Add N(0, std²) into the finished sum ``total`` in place on the worker.
@@ -228,9 +237,7 @@ class NoiseAhead:
         For a parameter not drawn ahead whose sum began before this physical batch (virtual
         batching): the same blocks as :meth:`fill` draws. :meth:`wait_later` blocks until done.
         """
-        job = _Fill(self.source, total, std, add=True)
-        self._later.append(job)
-        _worker().submit(job)
+        self._start(_Fill(self.source, total, std, add=True))
 
     def fill(self, out: Tensor, std: float) -> Callable[[int], None]:
         """Fill ``out`` with N(0, std²) on the worker, in blocks of rows (``row_blocks``).
@@ -239,9 +246,16 @@ class NoiseAhead:
         product can be added into the rows already filled while the rest are drawn.
         """
         job = _Fill(self.source, out, std, add=False)
-        self._later.append(job)
-        _worker().submit(job)
+        self._start(job)
         return job.ready
+
+    def _start(self, job: _Fill) -> None:
+        """Queue a fill or addition on the worker, or run it here (see the module doc)."""
+        self._later.append(job)
+        if draws_concurrently():
+            _worker().submit(job)
+        else:
+            job.run()
 
     def wait_later(self) -> None:
         """Wait for every :meth:`fill` and :meth:`add_later`; raise the first error among them."""
@@ -281,6 +295,14 @@ class NoiseAhead:
         load = getattr(self.source, "load_state_dict", None)
         if load is not None:
             load(state)
+
+
+def draws_concurrently() -> bool:
+    """Whether noise is drawn on the worker thread: torch computes on one thread of several.
+
+    Read on the training thread (torch's thread count is per thread under OpenMP).
+    """
+    return torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1
 
 
 def _key(params: Mapping[str, Tensor], std: float) -> _Key:
