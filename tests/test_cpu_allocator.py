@@ -50,8 +50,9 @@ def test_make_engine_on_cpu_keeps_freed_memory_for_the_next_step() -> None:
 
 
 def test_switch_off_leaves_malloc_alone() -> None:
-    # The same rounds fault again without the setting: the check above can fail.
-    assert _faults_per_round("0") > 0.5 * PAGES_PER_ROUND
+    # The same rounds fault again without the setting, so the check above can fail. Whether
+    # default glibc trims depends on where its heap top lies, which varies from run to run.
+    assert any(_faults_per_round("0") > 0.5 * PAGES_PER_ROUND for _ in range(4))
 
 
 def test_keep_freed_memory_reports_whether_it_applied(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -217,7 +217,7 @@ def test_noise_is_drawn_here_when_torch_threads_use_every_core():
             return super().fill_(out, std)
 
     concurrent = noise_sequence(Recording(seed=4))
-    assert set(names) == {"dpfy-noise"}
+    assert "dpfy-noise" in names  # (a fill's first blocks are drawn here while it wakes)
     names.clear()
     with torch_threads(2):
         here = noise_sequence(Recording(seed=4))
