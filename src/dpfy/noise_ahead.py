@@ -39,7 +39,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -385,10 +385,15 @@ def _current_streams(tensors: Iterable[Tensor]) -> dict[torch.device, Any]:
     }
 
 
-@contextlib.contextmanager
-def _on_streams(streams: dict[torch.device, Any]) -> Iterator[None]:
-    """Make these the worker thread's current streams (nothing to do on a CPU)."""
-    with contextlib.ExitStack() as stack:
-        for stream in streams.values():
-            stack.enter_context(torch.cuda.stream(stream))
-        yield
+def _on_streams(streams: dict[torch.device, Any]) -> contextlib.AbstractContextManager[Any]:
+    """Make these the worker thread's current streams (nothing to do on a CPU).
+
+    The worker needs the interpreter lock for this while the training thread waits for it, so
+    the CPU case costs nothing.
+    """
+    if not streams:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for stream in streams.values():
+        stack.enter_context(torch.cuda.stream(stream))
+    return stack
