@@ -294,6 +294,7 @@ def _client_train(msg: Message, context) -> Message:
 
 @pytest.mark.slow
 def test_end_to_end_through_flowers_simulation_engine():
+    pytest.importorskip("ray", reason="Flower's simulation engine: pip install -e '.[flower]'")
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
