@@ -116,7 +116,7 @@ class _Fill:
     def run(self) -> None:
         """Fill (or add into) each remaining block of rows in order, announcing each one.
 
-        On the worker, after the training thread handed over (see :meth:`start_here`).
+        On the worker, after the training thread handed over (see :meth:`hand_over_after`).
         """
         if self._handoff is not None:
             self._handoff.wait()
