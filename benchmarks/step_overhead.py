@@ -151,7 +151,7 @@ def _dpfy_step(
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """dpfy's real private step: the engine inside DPOptimizer, with its ledger.
 
-    ``dpfy_fast_nonoise`` drives the engine alone (clip, sum, ÷ B, SGD) to show its own cost.
+    ``dpfy_fast_nonoise`` drives the engine alone (clip, sum at 1/B, SGD) to show its own cost.
     """
     from dpfy.data.records import SamplingKind, SamplingRecord
     from dpfy.grads import make_engine
@@ -163,11 +163,11 @@ def _dpfy_step(
     if method.endswith("_nonoise"):
 
         def engine_step(x: torch.Tensor, y: torch.Tensor) -> None:
+            optimizer.zero_grad(set_to_none=True)
             criterion(model(x), y).backward()
-            engine.clip_and_accumulate(1.0, "mean")
-            engine.write_grads()
-            for p in engine.params.values():
-                p.grad.div_(x.shape[0])
+            engine.clip_and_accumulate(1.0, "mean", scale=1.0 / x.shape[0])
+            for name, total in engine.summed_grads().items():  # the sums themselves, as dpfy's
+                engine.params[name].grad = total  # private step hands them over
             optimizer.step()
             engine.reset()
 
