@@ -122,43 +122,60 @@ def test_private_step_starts_from_the_noise_and_adds_the_clipped_sum():
     torch.testing.assert_close(model.bias.detach(), before["bias"] - (clipped_sum + 2.0) / 10)
 
 
+def seeded_run(width: int = 8) -> dpfy.PrivateTraining:
+    """A small seeded private run; ``width`` sizes the first layer (the one filled last)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, width), nn.ReLU(), nn.Linear(width, 3))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(100, 5, generator=g), torch.randint(0, 3, (100,), generator=g))
+    return dpfy.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=10, steps=8,
+        noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=11,
+    )  # fmt: skip
+
+
+def train(private: dpfy.PrivateTraining, stop_after: int | None = None) -> None:
+    """The usual loop, with zero_grad() at its end: a draw is waiting between steps."""
+    private.optimizer.zero_grad()
+    for taken, (x, y) in enumerate(private.loader, start=1):
+        nn.functional.cross_entropy(private.model(x), y).backward()
+        private.optimizer.step()
+        private.optimizer.zero_grad()  # starts the next batch's draw
+        if taken == stop_after:
+            return
+
+
+def weights(private: dpfy.PrivateTraining) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in private.model.parameters()])
+
+
 def test_seeded_run_saved_with_a_draw_waiting_resumes_exactly(tmp_path):
     """zero_grad() at the end of the loop: a draw is waiting whenever the run is saved."""
-
-    def fresh() -> dpfy.PrivateTraining:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
-        g = torch.Generator().manual_seed(0)
-        data = TensorDataset(
-            torch.randn(100, 5, generator=g), torch.randint(0, 3, (100,), generator=g)
-        )
-        return dpfy.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=10, steps=8,
-            noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=11,
-        )  # fmt: skip
-
-    def train(private: dpfy.PrivateTraining, stop_after: int | None = None) -> None:
-        private.optimizer.zero_grad()
-        for taken, (x, y) in enumerate(private.loader, start=1):
-            nn.functional.cross_entropy(private.model(x), y).backward()
-            private.optimizer.step()
-            private.optimizer.zero_grad()  # starts the next batch's draw
-            if taken == stop_after:
-                return
-
-    def weights(private: dpfy.PrivateTraining) -> torch.Tensor:
-        return torch.cat([p.detach().flatten() for p in private.model.parameters()])
-
-    whole = fresh()
+    whole = seeded_run()
     train(whole)
-    first = fresh()
+    first = seeded_run()
     train(first, stop_after=3)
     path = first.save(tmp_path / "checkpoint.pt")
-    resumed = fresh()
+    resumed = seeded_run()
     resumed.load(path)
     train(resumed)
     assert resumed.ledger.steps == whole.ledger.steps == 8
     torch.testing.assert_close(weights(resumed), weights(whole), rtol=0, atol=0)
+
+
+def test_a_seeded_run_trains_the_same_whatever_the_torch_threads():
+    """Noise drawn on the worker (one thread) or on the training thread (two): same run.
+
+    The first layer (5 → 4000, summed last) is filled in two blocks of rows while its product
+    is added, so the tail fill, its hand-over and the drawn-ahead buffers are all compared.
+    """
+    on_worker = seeded_run(width=4000)
+    train(on_worker)
+    with torch_threads(2):
+        here = seeded_run(width=4000)
+        train(here)
+    assert len(row_blocks(4000, 5)) > 1
+    torch.testing.assert_close(weights(here), weights(on_worker), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows,row_size", [(1, 1), (10, 1), (512, 784), (10_000, 256), (33, 1000)])
