@@ -23,6 +23,7 @@ __all__ = [
     "ghost_sq_norms",
     "gram",
     "position_sum",
+    "product_into",
     "use_ghost",
     "weight_sq_norms",
     "weighted_bias_sum",
@@ -111,7 +112,11 @@ def weighted_weight_sum(
         a = a * w
     else:
         g = g * w
-    left, right = g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2])
+    return product_into(g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2]), into)
+
+
+def product_into(left: Tensor, right: Tensor, into: Into | None) -> Tensor:
+    """``left @ right``, or added into ``into`` in place (by blocks of rows as they are ready)."""
     if into is None:
         return left @ right
     out = into.tensor

@@ -12,6 +12,7 @@ from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import Into, LayerRule, register_rule
 from dpfy.grads.rules._bilinear import (
     bias_sq_norms,
+    product_into,
     weight_sq_norms,
     weighted_bias_sum,
     weighted_weight_sum,
@@ -57,6 +58,8 @@ class LinearRule(LayerRule):
     ) -> dict[str, Tensor]:
         """The weight's product is added straight into the running sum when there is one."""
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
+        if a.shape[1] == 1 and call.trainable == {"weight", "bias"}:
+            return _rank_one_sums(a[:, 0], g[:, 0], weights, into.get("weight"))
         out = {}
         if "weight" in call.trainable:
             slot = into.get("weight")
@@ -66,3 +69,17 @@ class LinearRule(LayerRule):
         if "bias" in call.trainable:
             out["bias"] = weighted_bias_sum(g, weights, call.cache)
         return out
+
+
+def _rank_one_sums(a: Tensor, g: Tensor, weights: Tensor, slot: Into | None) -> dict[str, Tensor]:
+    """One position, weight and bias: Σ_u w_u g_u a_uᵀ and Σ_u w_u g_u from one scaled g.
+
+    The bias sum is the column sum of the scaled g, read while it is still in cache rather than
+    a second pass over the output gradients.
+    """
+    scaled = g * weights.to(g.dtype)[:, None]
+    total = product_into(scaled.t(), a, slot)
+    out = {"bias": scaled.sum(0)}
+    if slot is None:
+        out["weight"] = total
+    return out
