@@ -28,7 +28,8 @@ What this must not break:
   moved to another device) is dropped, never handed out again;
 - a checkpoint saved while a draw is waiting stores the generator state from *before* that
   draw, so a resumed run draws exactly what an uninterrupted one would have;
-- one stream order: the worker runs every draw, fill and addition in the order they were asked;
+- one stream order: every draw, fill and addition runs in the order it was asked, whether on
+  the worker or on the training thread (which draws only while the worker has nothing queued);
 - nothing about the draw depends on data: shapes, dtypes, devices and the std only.
 """
 
@@ -277,24 +278,23 @@ class NoiseAhead:
         product can be added into the rows already filled while the rest are drawn.
         """
         job = _Fill(self.source, out, std, add=False)
-        if draws_concurrently() and self._idle():
-            self._later.append(job)
-            job.hand_over_after(FIRST_BLOCKS_HERE, _worker().submit)
-        else:
-            self._start(job)
+        self._start(job, first_here=FIRST_BLOCKS_HERE)
         return job.ready
 
-    def _idle(self) -> bool:
-        """Whether every draw, fill and addition asked for so far is done."""
-        return self._pending is None and all(job.filled >= job.rows for job in self._later)
+    def _start(self, job: _Fill, first_here: int = 0) -> None:
+        """Queue a fill or addition on the worker, or run it here (see the module doc).
 
-    def _start(self, job: _Fill) -> None:
-        """Queue a fill or addition on the worker, or run it here (see the module doc)."""
+        With ``first_here``, a worker with nothing queued gets the job after this thread has
+        drawn that many of its first blocks (:meth:`_Fill.hand_over_after`).
+        """
+        idle = self._pending is None and all(done.filled >= done.rows for done in self._later)
         self._later.append(job)
-        if draws_concurrently():
-            _worker().submit(job)
-        else:
+        if not draws_concurrently():
             job.run()
+        elif first_here and idle:
+            job.hand_over_after(first_here, _worker().submit)
+        else:
+            _worker().submit(job)
 
     def wait_later(self) -> None:
         """Wait for every :meth:`fill` and :meth:`add_later`; raise the first error among them."""

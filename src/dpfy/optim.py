@@ -94,11 +94,11 @@ class _NoiseDuringClip:
     std: float
 
     def fill(self, out: torch.Tensor) -> Callable[[int], None]:
-        """Fill a running sum with noise on the worker, rows in order."""
+        """Fill a running sum with noise, rows in order (on the worker when a core is idle)."""
         return self.noise.fill(out, self.std)
 
     def add(self, total: torch.Tensor) -> None:
-        """Add noise into a finished sum on the worker."""
+        """Add noise into a finished sum (on the worker when a core is idle)."""
         self.noise.add_later(total, self.std)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal, Protocol
 
 import torch
@@ -293,9 +293,8 @@ class GradEngine:
 
     def _finish_noise(self, noise: NoiseStart) -> None:
         """Give every named parameter its noise: sums formed before get it added, others filled."""
-        params = self.params
         # One stream order however the names are reached: largest first, as the engines open them.
-        for name in sorted(noise.names, key=lambda n: (-params[n].numel(), n)):
+        for name in self._largest_first(noise.names):
             if name in self._noised:
                 continue
             if name in self._acc:
@@ -303,6 +302,10 @@ class GradEngine:
                 self._noised.add(name)
             else:  # no gradient reached it: the sum is its noise alone
                 self._slot(name, noise)
+
+    def _largest_first(self, names: Iterable[str]) -> list[str]:
+        """Parameter names, largest first (ties by name): the order sums are opened from noise."""
+        return sorted(names, key=lambda name: (-self.params[name].numel(), name))
 
     def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
         """Engine-specific refusals (the fast engine refuses repeated calls)."""

@@ -37,6 +37,7 @@ class FastEngine(GradEngine):
         """Same arguments as :class:`GradEngine`; every tap must have a rule."""
         super().__init__(*args, **kwargs)
         self._pending: list[_Pending] = []
+        self._layer_names = {tap.name: self._names_of(tap) for tap in self._taps.taps}
         tail = next((tap for tap in self._taps.taps if tap.trainable), None)
         self._tail = frozenset() if tail is None else frozenset(self._model_names(tail).values())
 
@@ -116,10 +117,13 @@ class FastEngine(GradEngine):
             self._pending = []
 
     def _model_names(self, tap: Tap) -> dict[str, str]:
-        """The layer's trainable parameters: local name → name in the model."""
-        params = {local: getattr(tap.module, local) for local in tap.trainable}
-        order = sorted(params, key=lambda local: (-params[local].numel(), local))  # largest first
-        return {local: self._names[id(params[local])] for local in order}
+        """The layer's trainable parameters, largest first: local name → name in the model."""
+        return self._layer_names[tap.name]
+
+    def _names_of(self, tap: Tap) -> dict[str, str]:
+        """:meth:`_model_names` of one layer, worked out once when the engine is made."""
+        local = {self._names[id(getattr(tap.module, n))]: n for n in tap.trainable}
+        return {local[name]: name for name in self._largest_first(local)}
 
     def noise_tail(self) -> frozenset[str]:
         """Parameters of the layer summed last (the first watched layer with parameters)."""
