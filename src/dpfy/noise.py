@@ -1,21 +1,22 @@
 """Gaussian noise sources for the private optimizer: fast (torch RNG) or secure (OS CSPRNG).
 
-``TorchNoise`` draws from a ``torch.Generator`` seeded from the OS (or from a seed, for
-reproducible experiments). ``SecureNoise`` draws every bit from ``os.urandom`` — the operating
-system's cryptographically secure generator — and turns it into normals by the Box–Muller
-transform in float64; an attacker who learns the training code cannot replay or predict it. Its
-cost is dominated by ``os.urandom`` (about 8 random bytes per coordinate, two uniforms per pair
-of normals): measured on the project's 2-core machine at roughly 25–40 ms per million
-coordinates, versus ~3 ms for ``TorchNoise``. Neither defends against floating-point attacks on
-the least significant bits of the noise (Mironov 2012); the secure option removes predictability
-of the random stream, not that channel.
+``TorchNoise`` draws from torch generators, one on each device the noise is for, seeded from the OS
+(or from a seed, for reproducible experiments). ``SecureNoise`` draws every bit from ``os.urandom``
+— the operating system's cryptographically secure generator — and turns it into normals by the
+Box–Muller transform in float64; an attacker who learns the training code cannot replay or predict
+it. Its cost is dominated by ``os.urandom`` (about 8 random bytes per coordinate, two uniforms per
+pair of normals): measured on the project's 2-core machine at roughly 25–40 ms per million
+coordinates, versus ~3 ms for ``TorchNoise``. Neither defends against floating-point attacks on the
+least significant bits of the noise (Mironov 2012); the secure option removes predictability of the
+random stream, not that channel.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Protocol
+import zlib
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,33 +31,66 @@ class NoiseSource(Protocol):
 
 
 class TorchNoise:
-    """Noise from a torch generator (seeded from the OS unless a seed is given)."""
+    """Noise from torch generators, drawn on the device of the tensor it is for.
 
-    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
-        self.generator = torch.Generator(device=device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+    One generator per device: CPU tensors get noise from a CPU generator, CUDA tensors from that
+    GPU's own generator (its Philox stream), so a model on a GPU never waits for the CPU's
+    Mersenne Twister or a host-to-device copy. Seeded from the OS, or all from ``seed``: the CPU
+    generator from ``seed`` itself, each other device's from ``seed`` and the device's name
+    (:func:`device_seed`), so every stream is reproducible and no two devices share one.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._generators: dict[str, torch.Generator] = {}
+        self.generator = self._on(torch.device("cpu"))
 
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
-        """Noise on the generator's device, moved to ``like``'s (std applied inside the draw)."""
-        noise = torch.empty(like.shape, dtype=like.dtype, device=self.generator.device)
-        return noise.normal_(0.0, std, generator=self.generator).to(like.device)
+        """Noise with ``like``'s shape, dtype and device (std applied inside the draw)."""
+        noise = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return self.fill_(noise, std)
 
     def fill_(self, out: torch.Tensor, std: float) -> torch.Tensor:
-        """Overwrite ``out`` with noise, in place when it lives on the generator's device."""
-        if out.device != self.generator.device:
-            return out.copy_(self.normal(out, std))
-        return out.normal_(0.0, std, generator=self.generator)
+        """Overwrite ``out`` with noise in place, from its own device's generator."""
+        return out.normal_(0.0, std, generator=self._on(out.device))
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The generator state, so a resumed run continues the same stream."""
-        return {"generator": self.generator.get_state()}
+    def state_dict(self) -> dict[str, Any]:
+        """Every generator's state, so a resumed run continues the same streams."""
+        generators = dict(self._generators)  # a copy: a draw may add a device meanwhile
+        return {
+            "generator": generators["cpu"].get_state(),
+            "devices": {name: g.get_state() for name, g in generators.items() if name != "cpu"},
+        }
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore the stream saved by :meth:`state_dict`."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the streams saved by :meth:`state_dict` (a device not saved starts afresh)."""
         self.generator.set_state(state["generator"])
+        for name, saved in state.get("devices", {}).items():
+            self._on(torch.device(name)).set_state(saved)
+
+    def _on(self, device: torch.device) -> torch.Generator:
+        """This source's generator on ``device``, made and seeded at its first draw."""
+        name = str(device)
+        generator = self._generators.get(name)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()
+            elif device.type == "cpu":
+                generator.manual_seed(self.seed)
+            else:
+                generator.manual_seed(device_seed(self.seed, name))
+            self._generators[name] = generator
+        return generator
+
+
+def device_seed(seed: int, device: str) -> int:
+    """A 63-bit seed for ``device``'s generator, derived from the run's seed and the device name.
+
+    Through numpy's SeedSequence (hashing), so devices get unrelated streams from one seed.
+    """
+    entropy = [seed & (2**64 - 1), zlib.crc32(device.encode())]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
 class SecureNoise:
