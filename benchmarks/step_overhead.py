@@ -4,15 +4,15 @@ Run: ``.venv/bin/python benchmarks/step_overhead.py [--models mlp cnn transforme
 Step times: all methods of a case in one process, interleaved step by step (at least ``--steps``
 rounds and at least ``--seconds`` of non-private steps); the ratio of medians is the headline,
 the ratio of fastest steps is printed and saved beside it (what the machine allows at best on a
-shared host). CPU time per step (all threads of the process) is measured
-alongside: dpfy draws noise on a worker thread while the model computes, so with ``--threads 1``
-it may use a second core that non-private training leaves idle — the CPU-time ratio shows that
-cost, the wall-clock ratio what a user waits. Peak memory: one subprocess per (case, method),
-two steps after a warm-up step, peak bytes held by torch's allocator above the model, batch and
-optimizer state (CUDA: ``max_memory_allocated``; CPU: the profiler's allocator events, which
-cover the training thread — dpfy's noise buffers are allocated there; the worker only fills
-them). Ratios are against
-non-private SGD of the same run; Opacus runs in each ``grad_sample_mode`` that works.
+shared host). CPU time per step (all threads of the process) is measured alongside: dpfy draws
+noise on a worker thread while the model computes, so with ``--threads 1`` it may use a second
+core that non-private training leaves idle — the CPU-time ratio shows that cost, the wall-clock
+ratio what a user waits. Peak memory: two steps after a warm-up step, peak bytes held by torch's
+allocator above the model, batch and optimizer state (CUDA: ``max_memory_allocated``, in this
+process; CPU: the profiler's allocator events, in one subprocess per (case, method); they cover
+the training thread — dpfy's noise buffers are allocated there; the worker only fills them).
+Ratios are against non-private SGD of the same run; Opacus runs in each ``grad_sample_mode``
+that works.
 ``dpfy_*`` steps include clipping, Gaussian noise on every parameter and the SGD update;
 ``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. On glibc,
 building a dpfy engine has ``malloc`` keep freed memory for the next step
@@ -296,11 +296,9 @@ def main() -> None:
     peaks = {}
     for case in args.models:
         for method in methods:
-            command = [sys.executable, __file__, "--memory-of", case, method,
-                       "--device", args.device, "--threads", str(args.threads)]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode == 0:
-                peaks[case, method] = json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+            peak = peak_memory(case, method, args)
+            if peak is not None:
+                peaks[case, method] = peak
     rows = []
     for case in args.models:
         base_peak = peaks.get((case, "nonprivate"))
@@ -325,6 +323,26 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads()}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+def peak_memory(case: str, method: str, args: argparse.Namespace) -> int | None:
+    """:func:`measure_memory` in a subprocess of its own on a CPU; here on a GPU.
+
+    A CPU's profiler counts the whole process, so each method gets a fresh one; CUDA's peak
+    statistics are reset per measurement and count live tensors only, so no process is needed
+    (each would spend seconds starting CUDA). None: the method could not run.
+    """
+    if args.device == "cuda":
+        try:
+            return measure_memory(case, method, args.device)
+        except Exception:  # a competitor that cannot run this model is reported when timed
+            return None
+    command = [sys.executable, __file__, "--memory-of", case, method,
+               "--device", args.device, "--threads", str(args.threads)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
 
 
 #: Methods timed together with non-private SGD; every other method is timed in a round of its own
