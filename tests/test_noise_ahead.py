@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 import dpfy
 from dpfy.grads.registry import row_blocks
 from dpfy.noise import TorchNoise
-from dpfy.noise_ahead import NoiseAhead
+from dpfy.noise_ahead import FIRST_BLOCKS_HERE, NoiseAhead
 
 
 def params() -> dict[str, torch.Tensor]:
@@ -191,8 +191,8 @@ def test_filling_and_adding_draw_the_same_noise():
     total = torch.arange(512 * 40, dtype=torch.float32).reshape(512, 40)
     filled, added = torch.empty(512, 40), total.clone()
     first, second = NoiseAhead(TorchNoise(seed=8)), NoiseAhead(TorchNoise(seed=8))
-    ready = first.fill(filled, 1.5)
-    ready(512)
+    first.fill(filled, 1.5)
+    first.wait_later()
     second.add_later(added, 1.5)
     second.wait_later()
     torch.testing.assert_close(added - total, filled, rtol=0, atol=1e-3)
@@ -217,7 +217,7 @@ def noise_sequence(source: TorchNoise | SlowConstant) -> list[torch.Tensor]:
         ahead.prepare(params(), 2.0)
         out.extend(ahead.take(params(), 2.0).values())
         tail, total = torch.empty(600, 300), torch.zeros(300, 300)
-        ahead.fill(tail, 2.0)(600)
+        ahead.fill(tail, 2.0)
         ahead.add_later(total, 2.0)
         ahead.wait_later()
         out += [tail, total]
@@ -252,6 +252,19 @@ class SlowConstant:
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
         time.sleep(self.delay)
         return torch.full(like.shape, std)
+
+
+def test_a_fill_drawn_here_says_it_is_complete():
+    """No idle core: the fill is drawn before ``fill`` returns, and rules need not wait by rows."""
+    with torch_threads(2):
+        out = torch.full((4000, 50), float("nan"))
+        assert NoiseAhead(TorchNoise(seed=1)).fill(out, 1.0) is None
+        assert bool(torch.isfinite(out).all())
+    ahead = NoiseAhead(TorchNoise(seed=1))
+    ready = ahead.fill(torch.empty(40000, 50), 1.0)  # one thread: the worker fills the rest
+    assert len(row_blocks(40000, 50)) > FIRST_BLOCKS_HERE
+    assert ready is not None
+    ahead.wait_later()
 
 
 def test_a_sum_opened_from_noise_early_waits_for_its_fill():

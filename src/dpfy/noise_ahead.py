@@ -271,15 +271,20 @@ class NoiseAhead:
         """
         self._start(_Fill(self.source, total, std, add=True))
 
-    def fill(self, out: Tensor, std: float) -> Callable[[int], None]:
+    def fill(self, out: Tensor, std: float) -> Callable[[int], None] | None:
         """Fill ``out`` with N(0, std²) on the worker, in blocks of rows (``row_blocks``).
 
         Returns ``ready(rows)``, which blocks until the first ``rows`` rows are filled, so a
-        product can be added into the rows already filled while the rest are drawn.
+        product can be added into the rows already filled while the rest are drawn; or None
+        when every row is filled already (drawn on this thread: no core was idle), so the
+        product need not be split into blocks.
         """
         job = _Fill(self.source, out, std, add=False)
         self._start(job, first_here=FIRST_BLOCKS_HERE)
-        return job.ready
+        if job.filled < job.rows:
+            return job.ready
+        job.wait()  # its error, if any, is raised here
+        return None
 
     def _start(self, job: _Fill, first_here: int = 0) -> None:
         """Queue a fill or addition on the worker, or run it here (see the module doc).

@@ -93,7 +93,7 @@ class _NoiseDuringClip:
     noise: NoiseAhead
     std: float
 
-    def fill(self, out: torch.Tensor) -> Callable[[int], None]:
+    def fill(self, out: torch.Tensor) -> Callable[[int], None] | None:
         """Fill a running sum with noise, rows in order (on the worker when a core is idle)."""
         return self.noise.fill(out, self.std)
 

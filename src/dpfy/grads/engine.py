@@ -56,8 +56,12 @@ class NoiseStart(Protocol):
 
     names: frozenset[str]
 
-    def fill(self, out: Tensor) -> Callable[[int], None]:
-        """Start filling ``out`` with noise, rows in order; returns ``ready(rows)``."""
+    def fill(self, out: Tensor) -> Callable[[int], None] | None:
+        """Start filling ``out`` with noise, rows in order; returns ``ready(rows)``.
+
+        None: ``out`` is filled already (drawn on this thread), so rules may add into it in one
+        product rather than block by block.
+        """
         ...
 
     def add(self, total: Tensor) -> None:
