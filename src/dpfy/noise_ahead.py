@@ -105,13 +105,12 @@ class _Fill:
 
     def __init__(self, source: NoiseSource, out: Tensor, std: float, *, add: bool) -> None:
         self.source, self.out, self.std, self.add = source, out, std, add
-        self.rows = out.shape[0] if out.dim() else 1
+        self._rows, self._blocks = _by_rows(out)
+        self.rows = self._rows.shape[0]
         self.streams = _current_streams([out])
         self.filled = 0
         self.error: BaseException | None = None
         self._progress = threading.Condition()
-        self._rows = out.view(1, -1) if out.dim() == 0 else out
-        self._blocks = row_blocks(self.rows, self._rows[0].numel() if self.rows else 1)
         self._handoff: threading.Event | None = None
 
     def run(self) -> None:
@@ -147,11 +146,7 @@ class _Fill:
                 for start, stop in self._blocks[:upto]:
                     if stop <= self.filled or self.error is not None:
                         continue
-                    block = self._rows[start:stop]
-                    if self.add:
-                        block.add_(self.source.normal(block, self.std))
-                    else:
-                        _fill(self.source, {"": block}, self.std)
+                    _draw_block(self.source, self._rows[start:stop], self.std, add=self.add)
                     with self._progress:
                         self.filled = stop
                         self._progress.notify_all()
@@ -259,9 +254,10 @@ class NoiseAhead:
                 return buffers
             # The model changed after prepare(): the draw is dropped, never used, and the
             # stream simply continues past it.
-        draw = _Draw(self.source, key)
-        draw.run()
-        return draw.result()
+        buffers = _empty_buffers(key)  # drawn here, in the order the worker would draw them
+        with torch.no_grad():
+            _fill(self.source, buffers, key[1])
+        return buffers
 
     def add_later(self, total: Tensor, std: float) -> None:
         """Add N(0, std²) into the finished sum ``total`` in place on the worker.
@@ -269,6 +265,9 @@ class NoiseAhead:
         For a parameter not drawn ahead whose sum began before this physical batch (virtual
         batching): the same blocks as :meth:`fill` draws. :meth:`wait_later` blocks until done.
         """
+        if not draws_concurrently():
+            _draw_rows(self.source, total, std, add=True)
+            return
         self._start(_Fill(self.source, total, std, add=True))
 
     def fill(self, out: Tensor, std: float) -> Callable[[int], None] | None:
@@ -276,9 +275,13 @@ class NoiseAhead:
 
         Returns ``ready(rows)``, which blocks until the first ``rows`` rows are filled, so a
         product can be added into the rows already filled while the rest are drawn; or None
-        when every row is filled already (drawn on this thread: no core was idle), so the
-        product need not be split into blocks.
+        when every row is filled already (drawn on this thread: no core was idle, or the
+        tensor fits in the blocks this thread draws while the worker wakes), so the product
+        need not be split into blocks.
         """
+        if not draws_concurrently():
+            _draw_rows(self.source, out, std, add=False)
+            return None
         job = _Fill(self.source, out, std, add=False)
         self._start(job, first_here=FIRST_BLOCKS_HERE)
         if job.filled < job.rows:
@@ -287,16 +290,14 @@ class NoiseAhead:
         return None
 
     def _start(self, job: _Fill, first_here: int = 0) -> None:
-        """Queue a fill or addition on the worker, or run it here (see the module doc).
+        """Queue a fill or addition on the worker (see the module doc).
 
         With ``first_here``, a worker with nothing queued gets the job after this thread has
         drawn that many of its first blocks (:meth:`_Fill.hand_over_after`).
         """
         idle = self._pending is None and all(done.filled >= done.rows for done in self._later)
         self._later.append(job)
-        if not draws_concurrently():
-            job.run()
-        elif first_here and idle:
+        if first_here and idle:
             job.hand_over_after(first_here, _worker().submit)
         else:
             _worker().submit(job)
@@ -371,6 +372,28 @@ def _fill(source: NoiseSource, buffers: dict[str, Tensor], std: float) -> None:
                 fill(buffer, std)
             else:
                 buffer.copy_(source.normal(buffer, std))
+
+
+def _by_rows(out: Tensor) -> tuple[Tensor, list[tuple[int, int]]]:
+    """``out`` as rows (a scalar as one row of one) and its blocks of rows (``row_blocks``)."""
+    rows = out.view(1, -1) if out.dim() == 0 else out
+    return rows, row_blocks(rows.shape[0], rows[0].numel() if rows.shape[0] else 1)
+
+
+def _draw_block(source: NoiseSource, block: Tensor, std: float, *, add: bool) -> None:
+    """Fill one block of rows with N(0, std²), or add that noise into it."""
+    if add:
+        block.add_(source.normal(block, std))
+    else:
+        _fill(source, {"": block}, std)
+
+
+def _draw_rows(source: NoiseSource, out: Tensor, std: float, *, add: bool) -> None:
+    """What a :class:`_Fill` does, all on this thread: the same blocks, in the same order."""
+    rows, blocks = _by_rows(out)
+    with torch.no_grad():
+        for start, stop in blocks:
+            _draw_block(source, rows[start:stop], std, add=add)
 
 
 def _state_of(source: NoiseSource) -> Any:

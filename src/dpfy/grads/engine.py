@@ -184,11 +184,9 @@ class GradEngine:
             return ClipResult(torch.zeros(0), 0, 0)
         units = Units.consecutive(n, group) if groups is None else Units.from_ids(groups)
         base = float(n) if loss_reduction == "mean" else 1.0
-        sizes = units.sizes.to(torch.float64)  # exact ratios, then the gradients' dtype
-        scale = base / sizes  # unit gradient = scale · (sum of captured gradients)
         sq = self._unit_sq_norms(calls, units)
         calls.clear()  # the engine keeps what it needs; let summed layers free their tensors
-        scale = scale.to(sq.device, sq.dtype)
+        scale = _unit_scale(base, units, sq)  # unit gradient = scale · (sum of captured grads)
         norms = sq.clamp_min(0).sqrt() * scale
         factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
         self._accumulate(factors * (scale * sum_scale), noise)
@@ -426,6 +424,18 @@ class GradEngine:
         """Engine kind and what it watches."""
         extra = f", fallback_reason={self.fallback_reason!r}" if self.fallback_reason else ""
         return f"{type(self).__name__}(kind={self.kind!r}, params={len(self.params)}{extra})"
+
+
+def _unit_scale(base: float, units: Units, like: Tensor) -> Tensor | float:
+    """``base`` over each unit's size (``like``'s dtype and device); a number for single examples.
+
+    Units of one example each (``width`` 1: no unit holds more) need no tensor, so no
+    host-to-device copy per step on a GPU.
+    """
+    if units.width == 1:
+        return base
+    sizes = units.sizes.to(torch.float64)  # exact ratios, then the gradients' dtype
+    return (base / sizes).to(like.device, like.dtype)
 
 
 def _check_groups(groups: Tensor, microbatch_size: int | None) -> Tensor:

@@ -57,10 +57,13 @@ class FastEngine(GradEngine):
 
     def _on_ready(self, tap: Tap, call: Call) -> None:
         """During backward: reduce the call to per-example gradients where its rule says so."""
+        rule = self._rule(tap)
+        if rule.per_example_grads is LayerRule.per_example_grads:
+            return  # the rule keeps the captures (no reduction to prepare the call for)
         if call.stale_input() or len(tap.calls) > 1:
             return  # clip_and_accumulate reports these
         prepared = prepare_call(call, self.batch_dim(tap, call))
-        grads = self._rule(tap).per_example_grads(tap.module, prepared)
+        grads = rule.per_example_grads(tap.module, prepared)
         if grads is None:
             return
         size = prepared.batch_size

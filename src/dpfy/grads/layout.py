@@ -99,11 +99,16 @@ class Units:
 
 
 def prepare_call(call: Call, batch_dim: int, units: Units | None = None) -> Call:
-    """Move the batch dim first, zero-fill unused outputs, lay examples out by unit (padded)."""
+    """Move the batch dim first, zero-fill unused outputs, lay examples out by unit (padded).
+
+    A new call, or ``call`` itself when it is in that layout already.
+    """
     n = call.inputs[0].shape[batch_dim] if isinstance(call.inputs[0], Tensor) else None
     moved: dict[int, tuple[Tensor, Tensor]] = {}  # id → (tensor, moved): identical stay identical
     group = 1 if units is None else units.width
     spread = n is not None and units is not None and (group > 1 or units.slots is not None)
+    if not (batch_dim or spread or group != call.group or any(g is None for g in call.grads)):
+        return call  # already in the layout (batch first, one example per unit): the common case
 
     def move(x: Tensor) -> Tensor:
         if id(x) not in moved:  # the entry keeps x alive, so its id cannot be reused meanwhile

@@ -33,10 +33,11 @@ class LinearRule(LayerRule):
     @staticmethod
     def sq_norms(layer: nn.Module, call: Call) -> Tensor:
         """Direct, rank-one or ghost norm of the weight gradient plus the bias norm."""
-        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
-        if a.shape[1] == 1 and call.trainable == {"weight", "bias"}:
+        single = _one_position(call)
+        if single is not None:
             # One position: ‖g aᵀ‖² + ‖g‖² = (‖a‖² + 1)·‖g‖², one norm of g for both.
-            return (sq_norm(a[:, 0], 1) + 1) * sq_norm(g[:, 0], 1)
+            return (sq_norm(single[0], 1) + 1) * sq_norm(single[1], 1)
+        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
         total = a.new_zeros(a.shape[0])
         if "weight" in call.trainable:
             sq, unit_grads = weight_sq_norms(a, g)
@@ -57,9 +58,10 @@ class LinearRule(LayerRule):
         layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Into]
     ) -> dict[str, Tensor]:
         """The weight's product is added straight into the running sum when there is one."""
+        single = _one_position(call)
+        if single is not None:
+            return _rank_one_sums(*single, weights, into.get("weight"))
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
-        if a.shape[1] == 1 and call.trainable == {"weight", "bias"}:
-            return _rank_one_sums(a[:, 0], g[:, 0], weights, into.get("weight"))
         out = {}
         if "weight" in call.trainable:
             slot = into.get("weight")
@@ -71,13 +73,30 @@ class LinearRule(LayerRule):
         return out
 
 
+_WEIGHT_AND_BIAS = frozenset({"weight", "bias"})
+
+
+def _one_position(call: Call) -> tuple[Tensor, Tensor] | None:
+    """(a, g) as (U, d) and (U, p) when each unit has one position and both parameters train.
+
+    The MLP case (2-D inputs, one example per unit), which takes the rank-one route.
+    """
+    if call.trainable != _WEIGHT_AND_BIAS:
+        return None
+    x, g = call.inputs[0], call.grads[0]
+    if x.dim() == 2 and call.group == 1:
+        return x, g  # already (U, d), (U, p): no reshapes
+    a, g = _units(x, call.group), _units(g, call.group)
+    return (a.select(1, 0), g.select(1, 0)) if a.shape[1] == 1 else None
+
+
 def _rank_one_sums(a: Tensor, g: Tensor, weights: Tensor, slot: Into | None) -> dict[str, Tensor]:
     """One position, weight and bias: Σ_u w_u g_u a_uᵀ and Σ_u w_u g_u from one scaled g.
 
     The bias sum is the column sum of the scaled g, read while it is still in cache rather than
     a second pass over the output gradients.
     """
-    scaled = g * weights.to(g.dtype)[:, None]
+    scaled = g * weights.to(g.dtype).unsqueeze(1)
     total = product_into(scaled.t(), a, slot)
     out = {"bias": scaled.sum(0)}
     if slot is None:
