@@ -188,7 +188,7 @@ class GradEngine:
         calls.clear()  # the engine keeps what it needs; let summed layers free their tensors
         scale = _unit_scale(base, units, sq)  # unit gradient = scale · (sum of captured grads)
         norms = sq.clamp_min(0).sqrt() * scale
-        factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+        factors = (clip / norms).clamp_max(1.0)  # min(1, C/‖g‖); a zero norm: C/0 = ∞ → 1
         self._accumulate(factors * (scale * sum_scale), noise)
         self.num_examples += n
         return ClipResult(norms.detach(), n, units.count)
