@@ -77,17 +77,33 @@ class Transformer(nn.Module):
         return self.head(self.encoder(self.embed(tokens)).mean(1))
 
 
+class TinyMLP(nn.Sequential):
+    """32-32-32-10: a step that is all per-step overhead (kernel launches, Python), no compute.
+
+    Stands in, on a CPU, for small models on a fast GPU, where the time is the CPU launching
+    kernels (run it with ``--models tiny``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Flatten(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+            nn.Linear(32, 10),
+        )  # fmt: skip
+
+
+#: Each case's model and a batch of its inputs (labels: 10 classes).
+CASES: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
+    "mlp": lambda: (MLP(), torch.randn(256, 1, 28, 28)),
+    "cnn": lambda: (CNN(), torch.randn(256, 1, 28, 28)),
+    "transformer": lambda: (Transformer(), torch.randint(0, 10_000, (64, 64))),
+    "tiny": lambda: (TinyMLP(), torch.randn(8, 32)),
+}
+
+
 def make_case(name: str, device: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """Model, inputs and labels of one benchmark case."""
     torch.manual_seed(0)
-    if name == "mlp":
-        model, x = MLP(), torch.randn(256, 1, 28, 28)
-    elif name == "cnn":
-        model, x = CNN(), torch.randn(256, 1, 28, 28)
-    elif name == "transformer":
-        model, x = Transformer(), torch.randint(0, 10_000, (64, 64))
-    else:
-        raise ValueError(name)
+    model, x = CASES[name]()
     return model.to(device), x.to(device), torch.randint(0, 10, (x.shape[0],), device=device)
 
 
@@ -272,7 +288,9 @@ def measure_times(
 def main() -> None:
     """Time methods per case in one process (see ``LIGHT``); memory in one subprocess each."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
+    parser.add_argument(
+        "--models", nargs="+", default=["mlp", "cnn", "transformer"], choices=list(CASES)
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--steps", type=int, default=10, help="fewest interleaved rounds")
     parser.add_argument(
