@@ -81,7 +81,7 @@ class TinyMLP(nn.Sequential):
     """32-32-32-10: a step that is all per-step overhead (kernel launches, Python), no compute.
 
     Stands in, on a CPU, for small models on a fast GPU, where the time is the CPU launching
-    kernels (run it with ``--models tiny``).
+    kernels (run it with ``--models tiny tiny_cnn``).
     """
 
     def __init__(self) -> None:
@@ -91,12 +91,24 @@ class TinyMLP(nn.Sequential):
         )  # fmt: skip
 
 
+class TinyCNN(nn.Sequential):
+    """conv4 → conv8 + GroupNorm → fc16 → 10 on 8×8 (B = 8): :class:`TinyMLP`'s twin."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(8 * 2 * 2, 16), nn.ReLU(), nn.Linear(16, 10),
+        )  # fmt: skip
+
+
 #: Each case's model and a batch of its inputs (labels: 10 classes).
 CASES: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
     "mlp": lambda: (MLP(), torch.randn(256, 1, 28, 28)),
     "cnn": lambda: (CNN(), torch.randn(256, 1, 28, 28)),
     "transformer": lambda: (Transformer(), torch.randint(0, 10_000, (64, 64))),
     "tiny": lambda: (TinyMLP(), torch.randn(8, 32)),
+    "tiny_cnn": lambda: (TinyCNN(), torch.randn(8, 1, 8, 8)),
 }
 
 

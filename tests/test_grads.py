@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from dpfy.grads import make_engine
+from dpfy.grads import layout, make_engine
 from dpfy.grads.rules._bilinear import direct_sq_norms, ghost_sq_norms, use_ghost
 from dpfy.grads.substitutions import DPMultiheadAttention
 
@@ -280,6 +280,29 @@ def test_conv_matches_reference(
     assert_matches_reference(
         model, x, y, reduction=reduction, clip_ratio=clip_ratio, microbatch=microbatch
     )
+
+
+@pytest.mark.parametrize("microbatch", [None, 2])
+def test_per_example_reductions_in_batch_slices_match_reference(monkeypatch, microbatch) -> None:
+    """Large inputs are reduced slice by slice of the batch (memory); small ones in one piece."""
+    monkeypatch.setattr(layout, "SLICE_ABOVE_BYTES", 0)  # slice even these small inputs
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 2),
+    )  # fmt: skip
+    x = torch.randn(6, 2, 5, 5)
+    assert len(layout.batch_slices(x)) > 1
+    assert_matches_reference(model, x, torch.randn(6, 2), microbatch=microbatch)
+
+
+def test_batch_slices_cover_the_batch_in_order() -> None:
+    small = torch.zeros(10, 3)
+    large = torch.empty(10, layout.SLICE_ABOVE_BYTES, dtype=torch.uint8)  # untouched: no pages
+    assert layout.batch_slices(small) == [slice(0, 10)]
+    slices = layout.batch_slices(large)
+    assert len(slices) == layout.BATCH_SLICES
+    assert [i for s in slices for i in range(10)[s]] == list(range(10))
 
 
 # ----------------------------------------------------------------------------- Embedding

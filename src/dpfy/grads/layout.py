@@ -147,8 +147,15 @@ def flatten_positions(x: Tensor) -> Tensor:
 #: temporaries stay a fraction of the activations they read (peak memory).
 BATCH_SLICES = 4
 
+#: Below this many bytes read, one slice: the temporaries are small anyway, and each slice costs
+#: kernel launches (what a small model's step on a fast GPU is made of).
+SLICE_ABOVE_BYTES = 1 << 20
 
-def batch_slices(batch: int) -> list[slice]:
-    """Up to ``BATCH_SLICES`` consecutive slices covering ``range(batch)``."""
+
+def batch_slices(x: Tensor) -> list[slice]:
+    """Up to ``BATCH_SLICES`` consecutive slices of ``x``'s batch (dim 0); one if ``x`` is small."""
+    batch = x.shape[0]
+    if x.numel() * x.element_size() <= SLICE_ABOVE_BYTES:
+        return [slice(0, batch)]
     step = max(1, -(-batch // BATCH_SLICES))
     return [slice(start, start + step) for start in range(0, batch, step)]

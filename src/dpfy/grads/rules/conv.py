@@ -65,7 +65,7 @@ def _per_example_weight_grads(layer: nn.Module, call: Call) -> Tensor:
     """
     x, g = call.inputs[0], call.grads[0]
     parts = []
-    for part in batch_slices(x.shape[0]):
+    for part in batch_slices(x):
         xs, gs = x[part], g[part]
         size = xs.shape[0]
         grads = _weight_grad(

@@ -38,7 +38,7 @@ def _affine_grads(
     x, g = call.inputs[0], call.grads[0]
     out = {}
     if "weight" in call.trainable:
-        rows = [positions_features(g[s] * normalise(x[s])).sum(1) for s in batch_slices(len(x))]
+        rows = [positions_features(g[s] * normalise(x[s])).sum(1) for s in batch_slices(x)]
         out["weight"] = _per_unit(torch.cat(rows), call.group)
     if "bias" in call.trainable:
         out["bias"] = _per_unit(positions_features(g).sum(1), call.group)
