@@ -260,7 +260,7 @@ class NoiseAhead:
         return buffers
 
     def add_later(self, total: Tensor, std: float) -> None:
-        """Add N(0, std²) into the finished sum ``total`` in place on the worker.
+        """Add N(0, std²) into the finished sum ``total`` in place (on the worker if one is idle).
 
         For a parameter not drawn ahead whose sum began before this physical batch (virtual
         batching): the same blocks as :meth:`fill` draws. :meth:`wait_later` blocks until done.
@@ -271,7 +271,7 @@ class NoiseAhead:
         self._start(_Fill(self.source, total, std, add=True))
 
     def fill(self, out: Tensor, std: float) -> Callable[[int], None] | None:
-        """Fill ``out`` with N(0, std²) on the worker, in blocks of rows (``row_blocks``).
+        """Fill ``out`` with N(0, std²) in blocks of rows (``row_blocks``), on the worker if idle.
 
         Returns ``ready(rows)``, which blocks until the first ``rows`` rows are filled, so a
         product can be added into the rows already filled while the rest are drawn; or None
