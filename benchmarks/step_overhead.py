@@ -43,23 +43,35 @@ METHODS = ("nonprivate", "dpfy_fast", "dpfy_fast_nonoise", "dpfy_vmap", *OPACUS_
 
 
 class MLP(nn.Sequential):
-    """784-512-512-10."""
+    """inputs-width-width-10: 784-512-512-10 by default.
 
-    def __init__(self) -> None:
+    32-32-32-10 (the ``tiny`` case) is a step that is all per-step overhead (kernel launches,
+    Python), no compute: it stands in, on a CPU, for small models on a fast GPU, where the time
+    is the CPU launching kernels (run it with ``--models tiny tiny_cnn``).
+    """
+
+    def __init__(self, inputs: int = 784, width: int = 512) -> None:
         super().__init__(
-            nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-            nn.Linear(512, 10),
+            nn.Flatten(), nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+            nn.Linear(width, 10),
         )  # fmt: skip
 
 
 class CNN(nn.Sequential):
-    """conv32 → conv64 + GroupNorm → fc128 → 10 on 28×28."""
+    """conv32 → conv64 + GroupNorm(8) → fc128 → 10 on 28×28 by default.
 
-    def __init__(self) -> None:
+    conv4 → conv8 + GroupNorm(2) → fc16 on 8×8 is the ``tiny_cnn`` case, the tiny MLP's twin.
+    """
+
+    def __init__(
+        self, widths: tuple[int, int, int] = (32, 64, 128), side: int = 28, groups: int = 8
+    ) -> None:
+        c1, c2, hidden = widths
         super().__init__(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+            nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, 3, padding=1), nn.GroupNorm(groups, c2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(c2 * (side // 4) ** 2, hidden), nn.ReLU(),
+            nn.Linear(hidden, 10),
         )  # fmt: skip
 
 
@@ -77,38 +89,13 @@ class Transformer(nn.Module):
         return self.head(self.encoder(self.embed(tokens)).mean(1))
 
 
-class TinyMLP(nn.Sequential):
-    """32-32-32-10: a step that is all per-step overhead (kernel launches, Python), no compute.
-
-    Stands in, on a CPU, for small models on a fast GPU, where the time is the CPU launching
-    kernels (run it with ``--models tiny tiny_cnn``).
-    """
-
-    def __init__(self) -> None:
-        super().__init__(
-            nn.Flatten(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-            nn.Linear(32, 10),
-        )  # fmt: skip
-
-
-class TinyCNN(nn.Sequential):
-    """conv4 → conv8 + GroupNorm → fc16 → 10 on 8×8 (B = 8): :class:`TinyMLP`'s twin."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(8 * 2 * 2, 16), nn.ReLU(), nn.Linear(16, 10),
-        )  # fmt: skip
-
-
 #: Each case's model and a batch of its inputs (labels: 10 classes).
 CASES: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
     "mlp": lambda: (MLP(), torch.randn(256, 1, 28, 28)),
     "cnn": lambda: (CNN(), torch.randn(256, 1, 28, 28)),
     "transformer": lambda: (Transformer(), torch.randint(0, 10_000, (64, 64))),
-    "tiny": lambda: (TinyMLP(), torch.randn(8, 32)),
-    "tiny_cnn": lambda: (TinyCNN(), torch.randn(8, 1, 8, 8)),
+    "tiny": lambda: (MLP(32, 32), torch.randn(8, 32)),
+    "tiny_cnn": lambda: (CNN((4, 8, 16), side=8, groups=2), torch.randn(8, 1, 8, 8)),
 }
 
 
