@@ -43,7 +43,12 @@ class TorchNoise:
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
-        self.generator = self._on(torch.device("cpu"))
+        self._on(torch.device("cpu"))  # seeded now, so an unseeded source is fixed from the start
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The CPU generator."""
+        return self._generators["cpu"]
 
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
         """Noise with ``like``'s shape, dtype and device (std applied inside the draw)."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import queue
 import threading
@@ -104,7 +105,7 @@ class _Fill:
     """
 
     def __init__(self, source: NoiseSource, out: Tensor, std: float, *, add: bool) -> None:
-        self.source, self.out, self.std, self.add = source, out, std, add
+        self.source, self.std, self.add = source, std, add
         self._rows, self._blocks = _by_rows(out)
         self.rows = self._rows.shape[0]
         self.streams = _current_streams([out])
@@ -123,7 +124,7 @@ class _Fill:
         try:
             self._draw(len(self._blocks))
         finally:
-            self.out = self._rows = None  # type: ignore[assignment]
+            self._rows = None  # type: ignore[assignment]  # the sum is not kept alive here
 
     def hand_over_after(self, count: int, submit: Callable[[_Fill], None]) -> None:
         """Queue the job, draw its first ``count`` blocks on this thread, then hand it over.
@@ -347,7 +348,13 @@ def draws_concurrently() -> bool:
 
     Read on the training thread (torch's thread count is per thread under OpenMP).
     """
-    return torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1
+    return torch.get_num_threads() == 1 and _cores() > 1
+
+
+@functools.cache
+def _cores() -> int:
+    """The machine's CPU count, read once (``os.cpu_count`` reads /sys on every call)."""
+    return os.cpu_count() or 1
 
 
 def _key(params: Mapping[str, Tensor], std: float) -> _Key:
