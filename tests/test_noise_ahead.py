@@ -17,9 +17,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
-from dpfy.grads.registry import row_blocks
+from dpfy.grads.registry import Into, row_blocks
+from dpfy.grads.rules._bilinear import product_into
 from dpfy.noise import TorchNoise
-from dpfy.noise_ahead import FIRST_BLOCKS_HERE, NoiseAhead
+from dpfy.noise_ahead import FIRST_BLOCKS_HERE, HEAD_BLOCKS, NoiseAhead
 
 
 def params() -> dict[str, torch.Tensor]:
@@ -305,3 +306,102 @@ def test_the_interpreter_exits_cleanly_with_a_draw_still_queued():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Fatal" not in done.stderr
+
+
+def test_a_head_is_the_start_of_the_fill_and_is_used_once():
+    """prepare_head draws a fill's first blocks early: fill and add_later put the same noise in."""
+    shape = (4096, 64)  # row_blocks: 256, 256, 512, 1024, 2048 rows: more blocks than the head
+    assert len(row_blocks(*shape)) > HEAD_BLOCKS
+    plain = torch.empty(shape)
+    NoiseAhead(TorchNoise(seed=2)).fill(plain, 1.0)
+
+    ahead = NoiseAhead(TorchNoise(seed=2))
+    ahead.prepare_head("w", plain, 1.0)
+    filled = torch.empty(shape)
+    ready = ahead.fill(filled, 1.0, name="w")
+    assert ready is not None and ready(1) >= row_blocks(*shape)[HEAD_BLOCKS - 1][1]  # head is in
+    ahead.wait_later()
+    torch.testing.assert_close(filled, plain, rtol=0, atol=0)
+
+    ahead = NoiseAhead(TorchNoise(seed=2))
+    ahead.prepare_head("w", plain, 1.0)
+    total = torch.ones(shape)
+    ahead.add_later(total, 1.0, name="w")
+    ahead.wait_later()
+    torch.testing.assert_close(total - 1, plain, rtol=0, atol=1e-6)
+
+    ahead = NoiseAhead(TorchNoise(seed=2))
+    ahead.prepare_head("w", plain, 1.0)
+    ahead.take(params(), 1.0)  # a new step: the head not put in is dropped, never used
+    again = torch.empty(shape)
+    ahead.fill(again, 1.0, name="w")
+    ahead.wait_later()
+    first_rows = row_blocks(*shape)[HEAD_BLOCKS - 1][1]
+    assert not torch.equal(again[:first_rows], plain[:first_rows])
+
+
+def test_no_head_while_torch_threads_use_every_core():
+    """No idle core: prepare_head draws nothing, and the fill draws the same rows itself."""
+    with torch_threads(2):
+        ahead = NoiseAhead(TorchNoise(seed=2))
+        ahead.prepare_head("w", torch.empty(4096, 64), 1.0)
+        assert ahead.state_dict()["generator"].equal(TorchNoise(seed=2).state_dict()["generator"])
+
+
+def wide_run(physical: int | None) -> dpfy.PrivateTraining:
+    """A seeded run whose first layer (summed last) has more row blocks than a head."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 3))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(60, 64, generator=g), torch.randint(0, 3, (60,), generator=g))
+    return dpfy.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=12, steps=4,
+        noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=5,
+        max_physical_batch_size=physical,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("physical", [None, 4])
+def test_a_run_with_a_head_trains_the_same_whatever_the_torch_threads(physical, monkeypatch):
+    """Head drawn on the worker as the clip phase begins (one thread) or none (two): same run.
+
+    With ``physical`` the first layer's sum spans several physical batches: its noise is added
+    (``add_later``), head first, instead of filled.
+    """
+    heads: list[int] = []
+    put_head = NoiseAhead._put_head
+
+    def spy(self: NoiseAhead, *args: object, **kwargs: object) -> int:
+        rows = put_head(self, *args, **kwargs)
+        heads.append(rows)
+        return rows
+
+    monkeypatch.setattr(NoiseAhead, "_put_head", spy)
+    on_worker = wide_run(physical)
+    assert on_worker.optimizer._head is not None
+    assert on_worker.optimizer._head[0] == "0.weight"
+    train(on_worker)
+    assert any(rows > 0 for rows in heads)  # the head was drawn and put in
+    with torch_threads(2):
+        here = wide_run(physical)
+        train(here)
+    torch.testing.assert_close(weights(here), weights(on_worker), rtol=1e-5, atol=1e-6)
+
+
+def test_a_product_takes_every_row_filled_so_far_in_one_piece():
+    """Rows filled beyond the block waited for go into the same product (fewer, larger ones)."""
+    assert [stop for _, stop in row_blocks(2048, 64)] == [256, 512, 1024, 2048]
+    left, right = (
+        torch.randn(2048, 10, dtype=torch.float64),
+        torch.randn(10, 64, dtype=torch.float64),
+    )
+    out = torch.randn(2048, 64, dtype=torch.float64)
+    start, asked = out.clone(), []
+
+    def ready(rows: int) -> int:
+        asked.append(rows)
+        return 900 if rows <= 900 else 2048
+
+    product_into(left, right, Into(out, ready))
+    torch.testing.assert_close(out, start + left @ right)
+    assert asked == [256, 1024]  # rows 0-900 in one product, then 900-2048

@@ -20,7 +20,11 @@ not drawn ahead: :meth:`NoiseAhead.fill` fills their running sum during the clip
 block of rows (:func:`dpfy.grads.registry.row_blocks`), while the engine adds the product into
 the rows already filled (or sums the layer before); :meth:`NoiseAhead.add_later` adds noise into
 a sum formed over several physical batches instead, drawing the same blocks, so both give the
-same noise.
+same noise. The first rows that product needs are drawn a little earlier, when the clip phase
+begins (:meth:`NoiseAhead.prepare_head`: the first ``HEAD_BLOCKS`` blocks of one parameter, into
+a tensor of their own, while the engine computes norms and sums the other layers): the product
+then starts at once, and the worker, still awake, stays ahead of it from then on. They are the
+first numbers that parameter's fill would have drawn.
 
 What this must not break:
 
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import os
 import queue
@@ -55,8 +60,20 @@ __all__ = ["NoiseAhead"]
 #: Blocks of a fill the training thread draws itself while an idle worker wakes up.
 FIRST_BLOCKS_HERE = 2
 
+#: Row blocks drawn at the start of the clip phase for the parameter filled first (its head).
+HEAD_BLOCKS = 3
+
 #: What a draw is for: each parameter's name, shape, dtype and device, and the std.
 _Key = tuple[tuple[tuple[str, torch.Size, torch.dtype, torch.device], ...], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """The noise of a parameter's first row blocks, being drawn by ``job``."""
+
+    name: str
+    rows: Tensor
+    job: _Fill
 
 
 class _Draw:
@@ -104,12 +121,27 @@ class _Fill:
     Other threads wait for rows to be ready.
     """
 
-    def __init__(self, source: NoiseSource, out: Tensor, std: float, *, add: bool) -> None:
+    def __init__(
+        self,
+        source: NoiseSource,
+        out: Tensor,
+        std: float,
+        *,
+        add: bool,
+        start: int = 0,
+        blocks: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """``start``: rows that hold their noise already (a head put in by the training thread).
+
+        ``blocks``: the blocks to draw, if not ``out``'s own (a head: a larger tensor's first).
+        """
         self.source, self.std, self.add = source, std, add
         self._rows, self._blocks = _by_rows(out)
+        if blocks is not None:
+            self._blocks = blocks
         self.rows = self._rows.shape[0]
         self.streams = _current_streams([out])
-        self.filled = 0
+        self.filled = start
         self.error: BaseException | None = None
         self._progress = threading.Condition()
         self._handoff: threading.Event | None = None
@@ -157,17 +189,25 @@ class _Fill:
                 self.filled = self.rows
                 self._progress.notify_all()
 
-    def ready(self, rows: int) -> None:
-        """Block until the first ``rows`` rows hold their noise; raise the job's error here."""
-        self.settle(rows)
+    def ready(self, rows: int) -> int:
+        """Block until the first ``rows`` rows hold their noise; how many do by now.
+
+        The job's error, if any, is raised here.
+        """
+        filled = self.settle(rows)
         if self.error is not None:
             raise self.error
+        return filled
 
-    def settle(self, rows: int | None = None) -> None:
-        """Block until the first ``rows`` rows (all by default) are done or the job failed."""
+    def settle(self, rows: int | None = None) -> int:
+        """Block until the first ``rows`` rows (all by default) are done or the job failed.
+
+        Returns the rows done by then (at least ``rows``).
+        """
         limit = self.rows if rows is None else min(rows, self.rows)
         with self._progress:
             self._progress.wait_for(lambda: self.filled >= limit)
+            return self.filled
 
     def wait(self) -> None:
         """Block until every row is done; raise the job's error here."""
@@ -225,7 +265,9 @@ class NoiseAhead:
 
     ``prepare(params, std)`` starts drawing N(0, std²) buffers shaped like ``params``;
     ``take(params, std)`` returns them (drawn on the spot if nothing was prepared, or if the
-    parameters changed shape, dtype or device since). It is also a plain :class:`NoiseSource`
+    parameters changed shape, dtype or device since). ``prepare_head`` starts drawing the first
+    rows of a parameter's fill early, which its :meth:`fill` or :meth:`add_later` puts in. It is
+    also a plain :class:`NoiseSource`
     (``normal``), and its ``state_dict`` is the wrapped source's as of the last draw handed out.
     """
 
@@ -233,6 +275,7 @@ class NoiseAhead:
         self.source = source
         self._pending: _Draw | None = None
         self._later: list[_Fill] = []
+        self._head: _Head | None = None  # drawn early, not yet put in
 
     def prepare(self, params: Mapping[str, Tensor], std: float) -> None:
         """Start drawing the next step's noise on a worker thread (no-op if one is waiting).
@@ -248,6 +291,7 @@ class NoiseAhead:
     def take(self, params: Mapping[str, Tensor], std: float) -> dict[str, Tensor]:
         """This step's N(0, std²) buffers shaped like ``params``, each handed out once."""
         key = _key(params, std)
+        self._drop_head()  # one not put in last step is never used
         draw, self._pending = self._pending, None
         if draw is not None:
             buffers = draw.result()
@@ -260,35 +304,89 @@ class NoiseAhead:
             _fill(self.source, buffers, key[1])
         return buffers
 
-    def add_later(self, total: Tensor, std: float) -> None:
+    def add_later(self, total: Tensor, std: float, name: str | None = None) -> None:
         """Add N(0, std²) into the finished sum ``total`` in place (on the worker if one is idle).
 
         For a parameter not drawn ahead whose sum began before this physical batch (virtual
-        batching): the same blocks as :meth:`fill` draws. :meth:`wait_later` blocks until done.
+        batching): the same blocks as :meth:`fill` draws (its head too, if ``name`` has one).
+        :meth:`wait_later` blocks until done.
         """
+        start = self._put_head(name, total, add=True)
         if not draws_concurrently():
-            _draw_rows(self.source, total, std, add=True)
+            _draw_rows(self.source, total, std, add=True, start=start)
             return
-        self._start(_Fill(self.source, total, std, add=True))
+        job = _Fill(self.source, total, std, add=True, start=start)
+        if job.filled < job.rows:
+            self._start(job)
 
-    def fill(self, out: Tensor, std: float) -> Callable[[int], None] | None:
+    def fill(self, out: Tensor, std: float, name: str | None = None) -> Callable[[int], int] | None:
         """Fill ``out`` with N(0, std²) in blocks of rows (``row_blocks``), on the worker if idle.
 
-        Returns ``ready(rows)``, which blocks until the first ``rows`` rows are filled, so a
-        product can be added into the rows already filled while the rest are drawn; or None
+        Returns ``ready(rows)``, which blocks until the first ``rows`` rows are filled and says
+        how many are by then, so a product can be added into the rows already filled while the
+        rest are drawn; or None
         when every row is filled already (drawn on this thread: no core was idle, or the
         tensor fits in the blocks this thread draws while the worker wakes), so the product
-        need not be split into blocks.
+        need not be split into blocks. When ``name`` has a head, its rows are put in first and
+        the worker draws from there on.
         """
+        start = self._put_head(name, out, add=False)
         if not draws_concurrently():
-            _draw_rows(self.source, out, std, add=False)
+            _draw_rows(self.source, out, std, add=False, start=start)
             return None
-        job = _Fill(self.source, out, std, add=False)
-        self._start(job, first_here=FIRST_BLOCKS_HERE)
+        job = _Fill(self.source, out, std, add=False, start=start)
+        if job.filled >= job.rows:
+            return None
+        self._start(job, first_here=0 if start else FIRST_BLOCKS_HERE)
         if job.filled < job.rows:
             return job.ready
         job.wait()  # its error, if any, is raised here
         return None
+
+    def prepare_head(self, name: str, like: Tensor, std: float) -> None:
+        """Start drawing the first ``HEAD_BLOCKS`` blocks of ``name``'s fill now, on the worker.
+
+        For the parameter the clip phase fills first, called as that phase begins: while the
+        engine computes norms and sums other layers, the worker draws those rows into a tensor
+        of their own, so the fill's product can start on them at once. They are the numbers the
+        fill would draw first, so nothing may be drawn between this and that fill. A no-op when
+        no core is idle (the fill then draws them itself) or the parameter has few blocks.
+        """
+        self._drop_head()
+        blocks = _by_rows(like)[1]
+        if not draws_concurrently() or len(blocks) <= HEAD_BLOCKS:
+            return
+        shape = (blocks[HEAD_BLOCKS - 1][1], *like.shape[1:])
+        rows = torch.empty(shape, dtype=like.dtype, device=like.device)
+        job = _Fill(self.source, rows, std, add=False, blocks=blocks[:HEAD_BLOCKS])
+        _worker().submit(job)
+        self._head = _Head(name, rows, job)
+
+    def _put_head(self, name: str | None, out: Tensor, *, add: bool) -> int:
+        """Copy (or add) the head into ``out``'s first rows if it is ``name``'s; the rows done.
+
+        The head is used at most once: taken off here whether or not it fits ``out``.
+        """
+        head = self._head
+        if head is None or name is None or head.name != name:
+            return 0
+        self._head = None
+        head.job.wait()  # long done, as a rule; its error, if any, is raised here
+        rows = _by_rows(out)[0]
+        values = head.rows
+        if (values.shape[1:], values.dtype, values.device) != (
+            rows.shape[1:],
+            rows.dtype,
+            rows.device,
+        ) or values.shape[0] > rows.shape[0]:
+            return 0  # not this tensor's (the model changed): dropped, never used
+        with torch.no_grad():
+            target = rows[: values.shape[0]]
+            if add:
+                target.add_(values)
+            else:
+                target.copy_(values)
+        return values.shape[0]
 
     def _start(self, job: _Fill, first_here: int = 0) -> None:
         """Queue a fill or addition on the worker (see the module doc).
@@ -310,15 +408,22 @@ class NoiseAhead:
             job.wait()
 
     def _settle_later(self) -> None:
-        """Let every queued fill and addition finish (errors stay for :meth:`wait_later`)."""
-        for job in self._later:
+        """Let every queued fill, addition and head finish (errors stay for whoever waits)."""
+        for job in [*self._later, *([self._head.job] if self._head is not None else [])]:
             job.settle()
 
     def discard(self) -> None:
-        """Drop a waiting draw: its noise is never used; the stream stays past it."""
+        """Drop a waiting draw and a head not put in: never used; the stream stays past them."""
+        self._drop_head()
         draw, self._pending = self._pending, None
         if draw is not None:
             draw.wait()
+
+    def _drop_head(self) -> None:
+        """Forget a head not put in (it is never used), once its job is done."""
+        head, self._head = self._head, None
+        if head is not None:
+            head.job.settle()
 
     def normal(self, like: Tensor, std: float) -> Tensor:
         """A plain draw from the wrapped source; a waiting draw is dropped first (never used)."""
@@ -395,12 +500,16 @@ def _draw_block(source: NoiseSource, block: Tensor, std: float, *, add: bool) ->
         _fill(source, {"": block}, std)
 
 
-def _draw_rows(source: NoiseSource, out: Tensor, std: float, *, add: bool) -> None:
-    """What a :class:`_Fill` does, all on this thread: the same blocks, in the same order."""
+def _draw_rows(source: NoiseSource, out: Tensor, std: float, *, add: bool, start: int = 0) -> None:
+    """What a :class:`_Fill` does, all on this thread: the same blocks, in the same order.
+
+    Blocks ending at or before row ``start`` hold their noise already (a head).
+    """
     rows, blocks = _by_rows(out)
     with torch.no_grad():
-        for start, stop in blocks:
-            _draw_block(source, rows[start:stop], std, add=add)
+        for first, stop in blocks:
+            if stop > start:
+                _draw_block(source, rows[first:stop], std, add=add)
 
 
 def _state_of(source: NoiseSource) -> Any:

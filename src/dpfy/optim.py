@@ -93,13 +93,13 @@ class _NoiseDuringClip:
     noise: NoiseAhead
     std: float
 
-    def fill(self, out: torch.Tensor) -> Callable[[int], None] | None:
+    def fill(self, name: str, out: torch.Tensor) -> Callable[[int], int] | None:
         """Fill a running sum with noise, rows in order (on the worker when a core is idle)."""
-        return self.noise.fill(out, self.std)
+        return self.noise.fill(out, self.std, name=name)
 
-    def add(self, total: torch.Tensor) -> None:
+    def add(self, name: str, total: torch.Tensor) -> None:
         """Add noise into a finished sum (on the worker when a core is idle)."""
-        self.noise.add_later(total, self.std)
+        self.noise.add_later(total, self.std, name=name)
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -171,6 +171,16 @@ class DPOptimizer(torch.optim.Optimizer):
         tail = self.engine.noise_tail()
         return {name: p for name, p in self.engine.params.items() if name not in tail}
 
+    @functools.cached_property
+    def _head(self) -> tuple[str, torch.Tensor] | None:
+        """The tail parameter whose first rows of noise are drawn as the clip phase begins.
+
+        The engine's product for it goes into those rows first; with their noise in hand it
+        starts at once, while the worker draws the rest (:meth:`NoiseAhead.prepare_head`).
+        """
+        name = self.engine.noise_head()
+        return None if name is None else (name, self.engine.params[name])
+
     @property
     def _noise_share(self) -> float:
         """Std of the noise this process adds to the average: σ·sensitivity/B, over the ranks.
@@ -191,10 +201,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self.engine.summing:  # the batch's sum starts from its noise (drawn once, used once)
             self.engine.begin_sum(self.noise.take(self._drawn_ahead, self._noise_share))
-        during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share)
-        result = self._clip(
-            during if self.boundary.closes_batch else None, scale=1.0 / self.settings.divisor
-        )
+        during = None
+        if self.boundary.closes_batch:
+            during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share)
+            if self._head is not None:
+                self.noise.prepare_head(*self._head, self._noise_share)
+        result = self._clip(during, scale=1.0 / self.settings.divisor)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):

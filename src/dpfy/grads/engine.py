@@ -56,16 +56,17 @@ class NoiseStart(Protocol):
 
     names: frozenset[str]
 
-    def fill(self, out: Tensor) -> Callable[[int], None] | None:
-        """Start filling ``out`` with noise, rows in order; returns ``ready(rows)``.
+    def fill(self, name: str, out: Tensor) -> Callable[[int], int] | None:
+        """Start filling ``out``, the sum of parameter ``name``, with noise, rows in order.
 
+        Returns ``ready(rows)`` (waits for ``rows`` rows, returns how many are filled by then);
         None: ``out`` is filled already (drawn on this thread), so rules may add into it in one
         product rather than block by block.
         """
         ...
 
-    def add(self, total: Tensor) -> None:
-        """Add noise into a finished sum."""
+    def add(self, name: str, total: Tensor) -> None:
+        """Add noise into the finished sum of parameter ``name``."""
         ...
 
 
@@ -261,6 +262,14 @@ class GradEngine:
         """
         return frozenset()
 
+    def noise_head(self) -> str | None:
+        """The tail parameter whose first rows the clip phase needs first, if it adds by rows.
+
+        Its first blocks of noise are worth drawing ahead (:data:`dpfy.noise_ahead.HEAD_BLOCKS`):
+        the product into them can start before the worker has drawn anything. None here.
+        """
+        return None
+
     def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:
         """Add Σ_u weights[u]·grad_u into the running sums (engines may add in place)."""
         for name, value in self._unit_weighted_sums(weights).items():
@@ -282,7 +291,7 @@ class GradEngine:
         total = torch.empty_like(self.params[name], memory_format=torch.contiguous_format)
         self._acc[name] = total
         self._summing = True
-        self._filling[name] = Into(total, noise.fill(total))
+        self._filling[name] = Into(total, noise.fill(name, total))
         return self._filling[name]
 
     def _add_into(self, name: str, slot: Into | None, value: Tensor) -> None:
@@ -300,7 +309,7 @@ class GradEngine:
             if name in self._noised:
                 continue
             if name in self._acc:
-                noise.add(self._acc[name])
+                noise.add(name, self._acc[name])
                 self._noised.add(name)
             else:  # no gradient reached it: the sum is its noise alone
                 self._slot(name, noise)

@@ -40,6 +40,9 @@ class FastEngine(GradEngine):
         self._layer_names = {tap.name: self._names_of(tap) for tap in self._taps.taps}
         tail = next((tap for tap in self._taps.taps if tap.trainable), None)
         self._tail = frozenset() if tail is None else frozenset(self._model_names(tail).values())
+        self._head = None
+        if tail is not None and self._rule(tail).fills_in_blocks:
+            self._head = next(iter(self._model_names(tail).values()))  # the largest, opened first
 
     def _rule(self, tap: Tap) -> type[LayerRule]:
         """The tap's rule (``make_engine`` checked that there is one)."""
@@ -131,3 +134,7 @@ class FastEngine(GradEngine):
     def noise_tail(self) -> frozenset[str]:
         """Parameters of the layer summed last (the first watched layer with parameters)."""
         return self._tail
+
+    def noise_head(self) -> str | None:
+        """The tail layer's largest parameter, when its rule adds its product by rows as filled."""
+        return self._head

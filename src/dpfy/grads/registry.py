@@ -51,12 +51,12 @@ class Into:
     """A running sum a rule may add into in place, and when its rows may be written.
 
     ``ready(rows)`` blocks until the first ``rows`` rows (dim 0) hold their starting values —
-    noise being filled in on the worker thread (:class:`dpfy.grads.engine.NoiseStart`); None:
-    the tensor is ready as it is.
+    noise being filled in on the worker thread (:class:`dpfy.grads.engine.NoiseStart`) — and
+    returns how many rows do by then (at least ``rows``); None: the tensor is ready as it is.
     """
 
     tensor: Tensor
-    ready: Callable[[int], None] | None = None
+    ready: Callable[[int], int] | None = None
 
     def wait_all(self) -> None:
         """Block until every row is ready."""

@@ -125,9 +125,13 @@ def product_into(left: Tensor, right: Tensor, into: Into | None) -> Tensor:
         return out.add_(left @ right)
     if into.ready is None:  # one product (blocks would repack ``right`` once per block)
         return out.addmm_(left, right)
-    for start, stop in row_blocks(out.shape[0], out.shape[1]):  # each block once its noise is in
-        into.ready(stop)
+    start = 0
+    for _, end in row_blocks(out.shape[0], out.shape[1]):
+        if end <= start:
+            continue
+        stop = into.ready(end)  # every row filled by now, not just this block's: fewer products
         out[start:stop].addmm_(left[start:stop], right)
+        start = stop
     return out
 
 
