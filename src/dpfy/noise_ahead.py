@@ -60,8 +60,13 @@ __all__ = ["NoiseAhead"]
 #: Blocks of a fill the training thread draws itself while an idle worker wakes up.
 FIRST_BLOCKS_HERE = 2
 
-#: Row blocks drawn at the start of the clip phase for the parameter filled first (its head).
-HEAD_BLOCKS = 3
+#: Row blocks drawn at the start of the clip phase for the parameter filled first (its head):
+#: with ``row_blocks``' doubling sizes, the first quarter of its rows. The worker draws about
+#: 1.6x as fast as the product uses the rows on the MLP benchmark, so it needs a lead of about
+#: the next block; with 3 blocks the product still waited, with 4 it did not (one thread).
+#: The head is held while that parameter's sum is opened and copied into it: for a first layer
+#: much wider than the batch that briefly adds up to a quarter of the layer to the step's memory.
+HEAD_BLOCKS = 4
 
 #: What a draw is for: each parameter's name, shape, dtype and device, and the std.
 _Key = tuple[tuple[tuple[str, torch.Size, torch.dtype, torch.device], ...], float]
