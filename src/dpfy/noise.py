@@ -43,6 +43,7 @@ class TorchNoise:
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        self._by_device: dict[torch.device, torch.Generator] = {}  # the same, by device object
         self._on(torch.device("cpu"))  # seeded now, so an unseeded source is fixed from the start
 
     @property
@@ -75,6 +76,9 @@ class TorchNoise:
 
     def _on(self, device: torch.device) -> torch.Generator:
         """This source's generator on ``device``, made and seeded at its first draw."""
+        known = self._by_device.get(device)
+        if known is not None:  # the usual case, without formatting the device's name
+            return known
         name = str(device)
         generator = self._generators.get(name)
         if generator is None:
@@ -86,6 +90,7 @@ class TorchNoise:
             else:
                 generator.manual_seed(device_seed(self.seed, name))
             self._generators[name] = generator
+        self._by_device[device] = generator
         return generator
 
 

@@ -46,7 +46,7 @@ import functools
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -134,7 +134,7 @@ class _Fill:
         *,
         add: bool,
         start: int = 0,
-        blocks: list[tuple[int, int]] | None = None,
+        blocks: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """``start``: rows that hold their noise already (a head put in by the training thread).
 
@@ -491,7 +491,7 @@ def _fill(source: NoiseSource, buffers: dict[str, Tensor], std: float) -> None:
                 buffer.copy_(source.normal(buffer, std))
 
 
-def _by_rows(out: Tensor) -> tuple[Tensor, list[tuple[int, int]]]:
+def _by_rows(out: Tensor) -> tuple[Tensor, Sequence[tuple[int, int]]]:
     """``out`` as rows (a scalar as one row of one) and its blocks of rows (``row_blocks``)."""
     rows = out.view(1, -1) if out.dim() == 0 else out
     return rows, row_blocks(rows.shape[0], rows[0].numel() if rows.shape[0] else 1)

@@ -300,7 +300,10 @@ class GradEngine:
             self._add(name, value)
             return
         slot.wait_all()
-        slot.tensor.add_(value.reshape(slot.tensor.shape).to(slot.tensor.dtype))
+        total = slot.tensor
+        if value.shape != total.shape or value.dtype != total.dtype:  # (two calls fewer if not)
+            value = value.reshape(total.shape).to(total.dtype)
+        total.add_(value)
 
     def _finish_noise(self, noise: NoiseStart) -> None:
         """Give every named parameter its noise: sums formed before get it added, others filled."""

@@ -15,6 +15,7 @@ never dispatch on layer types with if/elif.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -30,12 +31,14 @@ __all__ = ["Into", "LayerRule", "find_rule", "register_rule", "registered_layers
 MIN_BLOCK = 1 << 14
 
 
-def row_blocks(rows: int, row_size: int = 1) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=256)
+def row_blocks(rows: int, row_size: int = 1) -> tuple[tuple[int, int], ...]:
     """Blocks of rows in which a running sum is filled with noise and a product added into it.
 
     The first block is 1/32 of the rows (at least ``MIN_BLOCK`` values of ``row_size`` each)
     and each next one doubles (1/32, 1/32, 1/16, …, 1/2): whoever adds into the rows waits
-    only for a small first block, then stays behind the fill.
+    only for a small first block, then stays behind the fill. Worked out once per shape (cached:
+    a step asks for the same few shapes every time).
     """
     size = max(1, -(-rows // 32), -(-MIN_BLOCK // max(row_size, 1)))
     blocks = [(0, min(rows, size))]
@@ -43,7 +46,7 @@ def row_blocks(rows: int, row_size: int = 1) -> list[tuple[int, int]]:
         start = blocks[-1][1]
         blocks.append((start, min(rows, start + size)))
         size *= 2  # the second block is as small as the first; then each doubles
-    return blocks
+    return tuple(blocks)
 
 
 @dataclasses.dataclass(frozen=True)
