@@ -405,3 +405,17 @@ def test_a_product_takes_every_row_filled_so_far_in_one_piece():
     product_into(left, right, Into(out, ready))
     torch.testing.assert_close(out, start + left @ right)
     assert asked == [256, 1024]  # rows 0-900 in one product, then 900-2048
+
+
+def test_a_head_that_does_not_fit_its_tensor_is_dropped():
+    """A parameter reshaped since the head was drawn: its rows are never used, all are drawn."""
+    ahead = NoiseAhead(TorchNoise(seed=6))
+    ahead.prepare_head("w", torch.empty(4096, 64), 1.0)
+    head = ahead._head
+    assert head is not None
+    out = torch.full((4096, 32), float("nan"))
+    ahead.fill(out, 1.0, name="w")
+    ahead.wait_later()
+    assert ahead._head is None and bool(torch.isfinite(out).all())
+    rows = head.rows.shape[0]
+    assert not torch.equal(out[:rows], head.rows[:, :32])

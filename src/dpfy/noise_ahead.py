@@ -272,8 +272,8 @@ class NoiseAhead:
     ``take(params, std)`` returns them (drawn on the spot if nothing was prepared, or if the
     parameters changed shape, dtype or device since). ``prepare_head`` starts drawing the first
     rows of a parameter's fill early, which its :meth:`fill` or :meth:`add_later` puts in. It is
-    also a plain :class:`NoiseSource`
-    (``normal``), and its ``state_dict`` is the wrapped source's as of the last draw handed out.
+    also a plain :class:`NoiseSource` (``normal``), and its ``state_dict`` is the wrapped
+    source's as of the last draw handed out.
     """
 
     def __init__(self, source: NoiseSource) -> None:
@@ -329,11 +329,10 @@ class NoiseAhead:
 
         Returns ``ready(rows)``, which blocks until the first ``rows`` rows are filled and says
         how many are by then, so a product can be added into the rows already filled while the
-        rest are drawn; or None
-        when every row is filled already (drawn on this thread: no core was idle, or the
-        tensor fits in the blocks this thread draws while the worker wakes), so the product
-        need not be split into blocks. When ``name`` has a head, its rows are put in first and
-        the worker draws from there on.
+        rest are drawn; or None when every row is filled already (drawn on this thread: no core
+        was idle, or the tensor fits in the blocks this thread draws while the worker wakes), so
+        the product need not be split into blocks. When ``name`` has a head, its rows are put in
+        first and the worker draws from there on.
         """
         start = self._put_head(name, out, add=False)
         if not draws_concurrently():
@@ -379,11 +378,8 @@ class NoiseAhead:
         head.job.wait()  # long done, as a rule; its error, if any, is raised here
         rows = _by_rows(out)[0]
         values = head.rows
-        if (values.shape[1:], values.dtype, values.device) != (
-            rows.shape[1:],
-            rows.dtype,
-            rows.device,
-        ) or values.shape[0] > rows.shape[0]:
+        fits = values.shape[1:] == rows.shape[1:] and values.shape[0] <= rows.shape[0]
+        if not fits or values.dtype != rows.dtype or values.device != rows.device:
             return 0  # not this tensor's (the model changed): dropped, never used
         with torch.no_grad():
             target = rows[: values.shape[0]]
