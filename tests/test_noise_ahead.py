@@ -123,15 +123,21 @@ def test_private_step_starts_from_the_noise_and_adds_the_clipped_sum():
     torch.testing.assert_close(model.bias.detach(), before["bias"] - (clipped_sum + 2.0) / 10)
 
 
-def seeded_run(width: int = 8) -> dpfy.PrivateTraining:
-    """A small seeded private run; ``width`` sizes the first layer (the one filled last)."""
+def seeded_run(
+    width: int = 8, inputs: int = 5, physical: int | None = None
+) -> dpfy.PrivateTraining:
+    """A small seeded private run; ``inputs`` × ``width`` is the first layer (the one filled last).
+
+    ``physical``: the physical batch size (virtual batching), if any.
+    """
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, width), nn.ReLU(), nn.Linear(width, 3))
+    model = nn.Sequential(nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, 3))
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(100, 5, generator=g), torch.randint(0, 3, (100,), generator=g))
+    x, y = torch.randn(100, inputs, generator=g), torch.randint(0, 3, (100,), generator=g)
     return dpfy.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=10, steps=8,
-        noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=11,
+        model, torch.optim.SGD(model.parameters(), lr=0.1), TensorDataset(x, y), batch_size=10,
+        steps=8, noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=11,
+        max_physical_batch_size=physical,
     )  # fmt: skip
 
 
@@ -348,19 +354,6 @@ def test_no_head_while_torch_threads_use_every_core():
         assert ahead.state_dict()["generator"].equal(TorchNoise(seed=2).state_dict()["generator"])
 
 
-def wide_run(physical: int | None) -> dpfy.PrivateTraining:
-    """A seeded run whose first layer (summed last) has more row blocks than a head."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 3))
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(60, 64, generator=g), torch.randint(0, 3, (60,), generator=g))
-    return dpfy.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=12, steps=4,
-        noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=5,
-        max_physical_batch_size=physical,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("physical", [None, 4])
 def test_a_run_with_a_head_trains_the_same_whatever_the_torch_threads(physical, monkeypatch):
     """Head drawn on the worker as the clip phase begins (one thread) or none (two): same run.
@@ -377,13 +370,13 @@ def test_a_run_with_a_head_trains_the_same_whatever_the_torch_threads(physical, 
         return rows
 
     monkeypatch.setattr(NoiseAhead, "_put_head", spy)
-    on_worker = wide_run(physical)
+    on_worker = seeded_run(width=4096, inputs=64, physical=physical)  # 5 row blocks: a head
     assert on_worker.optimizer._head is not None
     assert on_worker.optimizer._head[0] == "0.weight"
     train(on_worker)
     assert any(rows > 0 for rows in heads)  # the head was drawn and put in
     with torch_threads(2):
-        here = wide_run(physical)
+        here = seeded_run(width=4096, inputs=64, physical=physical)
         train(here)
     torch.testing.assert_close(weights(here), weights(on_worker), rtol=1e-5, atol=1e-6)
 
