@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from dpfy.grads import layout, make_engine
+from dpfy.grads.rows import Rows
 from dpfy.grads.rules._bilinear import direct_sq_norms, ghost_sq_norms, use_ghost
 from dpfy.grads.substitutions import DPMultiheadAttention
 
@@ -948,3 +949,19 @@ def test_gradients_left_in_p_grad_by_an_optimizer_are_not_mistaken() -> None:
         engine.write_grads()
         engine.reset()
     engine.detach()
+
+
+def test_rows_in_parts_give_the_norms_and_sums_of_the_joined_rows() -> None:
+    """Slices of per-example rows, never joined: the same norms, unit sums and weighted sums."""
+    torch.manual_seed(5)
+    joined = torch.randn(7, 11, dtype=torch.float64)
+    rows = Rows((joined[:3], joined[3:5], joined[5:]))
+    weights = torch.rand(7, dtype=torch.float64)
+    torch.testing.assert_close(rows.joined(), joined, rtol=0, atol=0)
+    torch.testing.assert_close(rows.sq_norms(), (joined**2).sum(1))
+    torch.testing.assert_close(rows.weighted_sum(weights), weights @ joined)
+    singles = layout.Units.consecutive(7, 1)
+    assert rows.per_unit(singles) is rows  # one example per unit: the slices stay as they are
+    pairs = layout.Units.consecutive(7, 2)  # units of 2 examples straddle the slices
+    expected = torch.stack([joined[i : i + 2].sum(0) for i in range(0, 7, 2)])
+    torch.testing.assert_close(rows.per_unit(pairs).joined(), expected)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from dpfy.grads.rows import Rows
 
 __all__ = ["Call", "Tap", "Taps", "output_tensors", "release"]
 
@@ -41,7 +44,7 @@ class Call:
     cache: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     #: Per-example gradients (B, F) by parameter name, when the engine reduced the call to them
     #: during backward (inputs and output gradients are then released); ``size`` is then B.
-    compact: dict[str, Tensor] | None = None
+    compact: dict[str, Rows] | None = None
     size: int | None = None
     #: Whether the layer's parameters were switched off during this call (autograd then
     #: computed no ordinary gradient for them through this call).

@@ -20,12 +20,12 @@ from torch import Tensor
 from dpfy.grads.capture import Call, Tap, release
 from dpfy.grads.engine import GradEngine, NoiseStart
 from dpfy.grads.layout import Units, prepare_call
-from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, find_rule
+from dpfy.grads.rows import Rows
 
 __all__ = ["FastEngine"]
 
-_Pending = tuple[Tap, type[LayerRule], Call, dict[str, Tensor] | None]
+_Pending = tuple[Tap, type[LayerRule], Call, dict[str, Rows] | None]
 
 
 class FastEngine(GradEngine):
@@ -71,7 +71,7 @@ class FastEngine(GradEngine):
             return
         size = prepared.batch_size
         call.release()
-        call.compact, call.size = grads, size
+        call.compact, call.size = {name: Rows.of(rows) for name, rows in grads.items()}, size
 
     def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], units: Units) -> Tensor:
         """Sum each layer's per-unit squared norms (from its rule, or its compact gradients)."""
@@ -80,9 +80,9 @@ class FastEngine(GradEngine):
         for tap, call in calls:
             rule = self._rule(tap)
             if call.compact is not None:
-                grouped = {name: units.sum_rows(rows) for name, rows in call.compact.items()}
+                grouped = {name: rows.per_unit(units) for name, rows in call.compact.items()}
                 self._pending.append((tap, rule, call, grouped))
-                sq = sum(sq_norm(g, 1) for g in grouped.values())
+                sq = sum(rows.sq_norms() for rows in grouped.values())
             else:
                 prepared = prepare_call(call, self.batch_dim(tap, call), units)
                 self._pending.append((tap, rule, prepared, None))
@@ -111,7 +111,7 @@ class FastEngine(GradEngine):
                     for name in self._model_names(self._pending[-1][0]).values():
                         self._slot(name, noise)  # opened now: its noise fills meanwhile
                 if grouped is not None:
-                    sums = {name: weights.to(g.dtype) @ g for name, g in grouped.items()}
+                    sums = {name: rows.weighted_sum(weights) for name, rows in grouped.items()}
                 else:
                     sums = rule.add_clipped_sum(tap.module, call, weights, into)
                 call.release()

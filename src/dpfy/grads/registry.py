@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from dpfy.grads.capture import Call
+    from dpfy.grads.rows import Rows
 
 __all__ = ["Into", "LayerRule", "find_rule", "register_rule", "registered_layers", "row_blocks"]
 
@@ -89,8 +90,11 @@ class LayerRule:
         return None
 
     @staticmethod
-    def per_example_grads(layer: nn.Module, call: Call) -> dict[str, Tensor] | None:
+    def per_example_grads(layer: nn.Module, call: Call) -> dict[str, Tensor | Rows] | None:
         """Per-example gradients (B, F) by name, where they are smaller than what is captured.
+
+        A gradient formed in batch slices may come as :class:`dpfy.grads.rows.Rows` (the slices,
+        not joined).
 
         Optional. The fast engine calls it during backward, as soon as the output gradient
         arrives, and then releases the call's inputs and output gradient, which lowers peak

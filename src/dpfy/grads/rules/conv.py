@@ -23,6 +23,7 @@ from dpfy.grads.capture import Call
 from dpfy.grads.layout import batch_slices, group_positions
 from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, register_rule
+from dpfy.grads.rows import Rows
 from dpfy.grads.rules._bilinear import ghost_sq_norms, use_ghost
 
 
@@ -57,11 +58,12 @@ def _weight_grad(
     )[1]
 
 
-def _per_example_weight_grads(layer: nn.Module, call: Call) -> Tensor:
+def _per_example_weight_grads(layer: nn.Module, call: Call) -> Rows:
     """(B, C_out·C_in/G·k) per-example weight gradients: examples become convolution groups.
 
     Done in slices of the batch: the convolution kernel's working buffers scale with the slice,
-    which keeps this step below the peak memory of the backward pass itself.
+    which keeps this step below the peak memory of the backward pass itself. The slices are
+    returned as they are (:class:`Rows`), not joined.
     """
     x, g = call.inputs[0], call.grads[0]
     parts = []
@@ -76,7 +78,7 @@ def _per_example_weight_grads(layer: nn.Module, call: Call) -> Tensor:
             (size * layer.weight.shape[0], *layer.weight.shape[1:]),
         )
         parts.append(grads.reshape(size, -1))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return Rows(tuple(parts))
 
 
 def _patches_and_grads(layer: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
@@ -120,11 +122,11 @@ class ConvRule(LayerRule):
     channels_first = True
 
     @staticmethod
-    def per_example_grads(layer: nn.Module, call: Call) -> dict[str, Tensor] | None:
+    def per_example_grads(layer: nn.Module, call: Call) -> dict[str, Tensor | Rows] | None:
         """On the direct route, per-example gradients are smaller than the activations."""
         if "weight" in call.trainable and _ghost(layer, call):
             return None
-        out = {}
+        out: dict[str, Tensor | Rows] = {}
         if "weight" in call.trainable:
             out["weight"] = _per_example_weight_grads(layer, call)
         if "bias" in call.trainable:
@@ -141,7 +143,7 @@ class ConvRule(LayerRule):
                 a, gg = _patches_and_grads(layer, call)
                 total = total + ghost_sq_norms(a, gg).reshape(-1, layer.groups).sum(1)
             else:
-                unit_grads = _per_unit(_per_example_weight_grads(layer, call), call.group)
+                unit_grads = _per_unit(_per_example_weight_grads(layer, call).joined(), call.group)
                 call.cache["weight"] = unit_grads
                 total = total + sq_norm(unit_grads, 1)
         if "bias" in call.trainable:
