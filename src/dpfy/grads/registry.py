@@ -93,13 +93,11 @@ class LayerRule:
     def per_example_grads(layer: nn.Module, call: Call) -> dict[str, Tensor | Rows] | None:
         """Per-example gradients (B, F) by name, where they are smaller than what is captured.
 
-        A gradient formed in batch slices may come as :class:`dpfy.grads.rows.Rows` (the slices,
-        not joined).
-
         Optional. The fast engine calls it during backward, as soon as the output gradient
         arrives, and then releases the call's inputs and output gradient, which lowers peak
         memory (e.g. convolutions: B·C_out·C_in·k² numbers instead of activations that scale
-        with the image size). None: keep the call for ``sq_norms`` and ``clipped_sum``.
+        with the image size). None: keep the call for ``sq_norms`` and ``clipped_sum``. A
+        gradient formed in batch slices may come as :class:`dpfy.grads.rows.Rows`, not joined.
         """
         return None
 
