@@ -61,11 +61,11 @@ __all__ = ["NoiseAhead"]
 FIRST_BLOCKS_HERE = 2
 
 #: Row blocks drawn at the start of the clip phase for the parameter filled first (its head):
-#: with ``row_blocks``' doubling sizes, the first quarter of its rows. The worker draws about
-#: 1.6x as fast as the product uses the rows on the MLP benchmark, so it needs a lead of about
-#: the next block; with 3 blocks the product still waited, with 4 it did not (one thread).
-#: The head is held while that parameter's sum is opened and copied into it: for a first layer
-#: much wider than the batch that briefly adds up to a quarter of the layer to the step's memory.
+#: with ``row_blocks``' doubling sizes, a quarter of its rows or a little more (168 of the MLP's
+#: 512). The worker draws about 1.6x as fast as the product uses the rows on the MLP benchmark,
+#: so it needs a lead of about the next block; with 3 blocks the product still waited, with 4 it
+#: did not (one thread). The head is held while that parameter's sum is opened and copied into
+#: it; the optimizer caps its size (``prepare_head(max_values=...)``, see DPOptimizer).
 HEAD_BLOCKS = 4
 
 #: What a draw is for: each parameter's name, shape, dtype and device, and the std.
@@ -347,22 +347,32 @@ class NoiseAhead:
         job.wait()  # its error, if any, is raised here
         return None
 
-    def prepare_head(self, name: str, like: Tensor, std: float) -> None:
+    def prepare_head(
+        self, name: str, like: Tensor, std: float, max_values: int | None = None
+    ) -> None:
         """Start drawing the first ``HEAD_BLOCKS`` blocks of ``name``'s fill now, on the worker.
 
         For the parameter the clip phase fills first, called as that phase begins: while the
         engine computes norms and sums other layers, the worker draws those rows into a tensor
         of their own, so the fill's product can start on them at once. They are the numbers the
-        fill would draw first, so nothing may be drawn between this and that fill. A no-op when
-        no core is idle (the fill then draws them itself) or the parameter has few blocks.
+        fill would draw first, so nothing may be drawn between this and that fill. With
+        ``max_values``, fewer blocks if they would hold more values (a memory bound). A no-op
+        when no core is idle (the fill then draws them itself), the parameter has few blocks, or
+        not even one block fits.
         """
         self._drop_head()
         blocks = _by_rows(like)[1]
         if not draws_concurrently() or len(blocks) <= HEAD_BLOCKS:
             return
-        shape = (blocks[HEAD_BLOCKS - 1][1], *like.shape[1:])
+        row_size = like[0].numel()
+        count = HEAD_BLOCKS
+        while count and max_values is not None and blocks[count - 1][1] * row_size > max_values:
+            count -= 1
+        if count == 0:
+            return
+        shape = (blocks[count - 1][1], *like.shape[1:])
         rows = torch.empty(shape, dtype=like.dtype, device=like.device)
-        job = _Fill(self.source, rows, std, add=False, blocks=blocks[:HEAD_BLOCKS])
+        job = _Fill(self.source, rows, std, add=False, blocks=blocks[:count])
         _worker().submit(job)
         self._head = _Head(name, rows, job)
 
