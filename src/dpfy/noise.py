@@ -30,6 +30,9 @@ class NoiseSource(Protocol):
         ...
 
 
+_CPU = torch.device("cpu")
+
+
 class TorchNoise:
     """Noise from torch generators, drawn on the device of the tensor it is for.
 
@@ -42,14 +45,13 @@ class TorchNoise:
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
-        self._generators: dict[str, torch.Generator] = {}
-        self._by_device: dict[torch.device, torch.Generator] = {}  # the same, by device object
-        self._on(torch.device("cpu"))  # seeded now, so an unseeded source is fixed from the start
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._on(_CPU)  # seeded now, so an unseeded source is fixed from the start
 
     @property
     def generator(self) -> torch.Generator:
         """The CPU generator."""
-        return self._generators["cpu"]
+        return self._generators[_CPU]
 
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
         """Noise with ``like``'s shape, dtype and device (std applied inside the draw)."""
@@ -64,8 +66,8 @@ class TorchNoise:
         """Every generator's state, so a resumed run continues the same streams."""
         generators = dict(self._generators)  # a copy: a draw may add a device meanwhile
         return {
-            "generator": generators["cpu"].get_state(),
-            "devices": {name: g.get_state() for name, g in generators.items() if name != "cpu"},
+            "generator": generators[_CPU].get_state(),
+            "devices": {str(d): g.get_state() for d, g in generators.items() if d != _CPU},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -76,11 +78,7 @@ class TorchNoise:
 
     def _on(self, device: torch.device) -> torch.Generator:
         """This source's generator on ``device``, made and seeded at its first draw."""
-        known = self._by_device.get(device)
-        if known is not None:  # the usual case, without formatting the device's name
-            return known
-        name = str(device)
-        generator = self._generators.get(name)
+        generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
             if self.seed is None:
@@ -88,9 +86,8 @@ class TorchNoise:
             elif device.type == "cpu":
                 generator.manual_seed(self.seed)
             else:
-                generator.manual_seed(device_seed(self.seed, name))
-            self._generators[name] = generator
-        self._by_device[device] = generator
+                generator.manual_seed(device_seed(self.seed, str(device)))
+            self._generators[device] = generator
         return generator
 
 
