@@ -356,7 +356,7 @@ def test_no_head_while_torch_threads_use_every_core():
 
 @pytest.mark.parametrize("physical", [None, 4])
 def test_a_run_with_a_head_trains_the_same_whatever_the_torch_threads(physical, monkeypatch):
-    """Head drawn on the worker as the clip phase begins (one thread) or none (two): same run.
+    """Head drawn on the worker as the layer before is summed (one thread) or none (two): same run.
 
     With ``physical`` most logical batches span several physical batches: the first layer's sum
     is formed before the last one and its noise added at the end (``add_later``), without a head.
@@ -372,7 +372,7 @@ def test_a_run_with_a_head_trains_the_same_whatever_the_torch_threads(physical, 
     monkeypatch.setattr(NoiseAhead, "_put_head", spy)
     on_worker = seeded_run(width=4096, inputs=64, physical=physical)  # 5 row blocks: a head
     assert on_worker.optimizer._head is not None
-    assert on_worker.optimizer._head[0] == "0.weight"
+    assert on_worker.optimizer._head.name == "0.weight"
     train(on_worker)
     if physical is None:
         assert any(rows > 0 for rows in heads)  # the head was drawn and put in
@@ -423,3 +423,34 @@ def test_a_head_is_capped_in_values():
     assert ahead._head is not None and ahead._head.rows.shape == (512, 64)
     ahead.prepare_head("w", like, 1.0, max_values=100 * 64)
     assert ahead._head is None
+
+
+def test_the_head_starts_as_the_layer_before_the_tail_is_summed(monkeypatch):
+    """Not among the norms: the worker then wakes while a product runs (see the module doc).
+
+    The engine sums layers last to first; the head of the first layer's noise is started once,
+    after the norms, as the last layer's sum begins.
+    """
+    from dpfy.grads.fast import FastEngine
+
+    events: list[str] = []
+
+    def spy(cls: type, method: str, label: object) -> None:
+        original = getattr(cls, method)
+
+        def wrapper(self: object, *args: object, **kwargs: object) -> object:
+            events.append(label(self, *args, **kwargs) if callable(label) else label)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, method, wrapper)
+
+    spy(FastEngine, "_unit_sq_norms", "norms")
+    spy(FastEngine, "_start_next_noise", lambda engine, _: f"next of {len(engine._pending)}")
+    spy(NoiseAhead, "prepare_head", lambda _, name, *rest: f"head {name}")
+    spy(NoiseAhead, "fill", lambda _, out, std, name=None: f"fill {name}")
+    private = seeded_run(width=4096, inputs=64)
+    x, y = torch.randn(10, 64), torch.randint(0, 3, (10,))
+    private.optimizer.zero_grad()
+    nn.functional.cross_entropy(private.model(x), y).backward()
+    private.optimizer.step()
+    assert events == ["norms", "next of 1", "head 0.weight", "fill 0.weight", "fill 0.bias"]

@@ -87,12 +87,22 @@ class NoiseSettings:
 
 
 @dataclass(frozen=True)
+class _Head:
+    """The parameter whose first rows of noise are drawn early, and the most values to draw."""
+
+    name: str
+    like: torch.Tensor
+    max_values: int
+
+
+@dataclass(frozen=True)
 class _NoiseDuringClip:
     """The engine's :class:`NoiseStart` for the parameters whose noise is not drawn ahead."""
 
     names: frozenset[str]
     noise: NoiseAhead
     std: float
+    head: _Head | None = None
 
     def fill(self, name: str, out: torch.Tensor) -> Callable[[int], int] | None:
         """Fill a running sum with noise, rows in order (on the worker when a core is idle)."""
@@ -101,6 +111,11 @@ class _NoiseDuringClip:
     def add(self, name: str, total: torch.Tensor) -> None:
         """Add noise into a finished sum (on the worker when a core is idle)."""
         self.noise.add_later(total, self.std, name=name)
+
+    def start_head(self, name: str) -> None:
+        """Start drawing the head's rows on the worker (:meth:`NoiseAhead.prepare_head`)."""
+        if self.head is not None and self.head.name == name:
+            self.noise.prepare_head(name, self.head.like, self.std, self.head.max_values)
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -173,30 +188,24 @@ class DPOptimizer(torch.optim.Optimizer):
         return {name: p for name, p in self.engine.params.items() if name not in tail}
 
     @functools.cached_property
-    def _head(self) -> tuple[str, torch.Tensor] | None:
-        """The tail parameter whose first rows of noise are drawn as the clip phase begins.
+    def _head(self) -> _Head | None:
+        """The tail parameter whose first rows of noise are drawn while the layer before sums.
 
         The engine's product for it goes into those rows first; with their noise in hand it
         starts at once, while the worker draws the rest (:meth:`NoiseAhead.prepare_head`).
-        """
-        name = self.engine.noise_head()
-        return None if name is None else (name, self.engine.params[name])
-
-    def _prepare_head(self) -> None:
-        """Start drawing the head of the tail's noise (a logical batch of one physical batch).
-
         Capped at twice B × rows values. For a Linear layer, B × rows is the clip-weighted output
         gradient the product allocates just after the head is copied in and freed, so the head
         adds at most that much to the step's peak memory, and nothing when it is no larger (the
-        MLP benchmark: 168 × 784 head values against 256 × 512). With several physical batches
-        the tail's sum is formed before the last one and only gets its noise added at the end:
-        no product to start early, no head.
+        MLP benchmark: 168 × 784 head values against 256 × 512). Used only when a logical batch
+        is one physical batch: with several, the tail's sum is formed before the last one and
+        only gets its noise added at the end, so there is no product to start early.
         """
-        if self._head is None:
-            return
-        name, param = self._head
+        name = self.engine.noise_head()
+        if name is None:
+            return None
+        param = self.engine.params[name]
         cap = 2 * math.ceil(self.settings.expected_batch_size) * param.shape[0]
-        self.noise.prepare_head(name, param, self._noise_share, max_values=cap)
+        return _Head(name, param, cap)
 
     @property
     def _noise_share(self) -> float:
@@ -220,10 +229,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if opened:  # the batch's sum starts from its noise (drawn once, used once)
             self.engine.begin_sum(self.noise.take(self._drawn_ahead, self._noise_share))
         during = None
-        if self.boundary.closes_batch:
-            during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share)
-            if opened:
-                self._prepare_head()
+        if self.boundary.closes_batch:  # a head only if this batch opened the sum (see _Head)
+            head = self._head if opened else None
+            during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share, head)
         result = self._clip(during, scale=1.0 / self.settings.divisor)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)

@@ -69,6 +69,14 @@ class NoiseStart(Protocol):
         """Add noise into the finished sum of parameter ``name``."""
         ...
 
+    def start_head(self, name: str) -> None:
+        """The layer summed now comes just before ``name``'s: start drawing its first rows.
+
+        Called by an engine whose :meth:`GradEngine.noise_head` names ``name``, as it starts
+        summing the layer before that parameter's; ``fill`` or ``add`` then puts those rows in.
+        """
+        ...
+
 
 class GradEngine:
     """Base of both engines: hooks, accumulator, loss scaling, clipping, hand-over, detach."""

@@ -97,6 +97,8 @@ class FastEngine(GradEngine):
         With ``noise``, a named parameter's sum is opened from noise just before its layer is
         summed; for a layer whose rule cannot overlap the fill with its own product (not
         ``fills_in_blocks``) the fill starts one layer earlier, while the previous layer sums.
+        For one that can, the first rows of its head parameter (:meth:`noise_head`) start being
+        drawn one layer earlier instead (:meth:`NoiseStart.start_head`).
         """
         try:
             while self._pending:  # release each layer's captures as soon as it is summed
@@ -107,9 +109,8 @@ class FastEngine(GradEngine):
                     for local, name in names.items()
                     if (slot := self._slot(name, noise)) is not None
                 }
-                if noise is not None and self._pending and not self._pending[-1][1].fills_in_blocks:
-                    for name in self._model_names(self._pending[-1][0]).values():
-                        self._slot(name, noise)  # opened now: its noise fills meanwhile
+                if noise is not None and self._pending:
+                    self._start_next_noise(noise)
                 if grouped is not None:
                     sums = {name: rows.weighted_sum(weights) for name, rows in grouped.items()}
                 else:
@@ -121,6 +122,21 @@ class FastEngine(GradEngine):
                     self._add_into(names[local], into.get(local), value)
         finally:
             self._pending = []
+
+    def _start_next_noise(self, noise: NoiseStart) -> None:
+        """Start the noise of the layer summed next while this one sums (see _accumulate).
+
+        The head is started here rather than as the clip phase begins: the worker then wakes
+        while this layer's product runs, not amid the norms' short kernels, each of which would
+        hand it the interpreter lock and leave the training thread waiting to take it back.
+        """
+        upcoming_tap, upcoming_rule = self._pending[-1][:2]
+        upcoming = self._model_names(upcoming_tap).values()
+        if not upcoming_rule.fills_in_blocks:
+            for name in upcoming:
+                self._slot(name, noise)  # opened now: its noise fills meanwhile
+        elif self._head is not None and self._head in upcoming:
+            noise.start_head(self._head)
 
     def _model_names(self, tap: Tap) -> dict[str, str]:
         """The layer's trainable parameters, largest first: local name → name in the model."""
