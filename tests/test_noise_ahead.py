@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -425,27 +425,28 @@ def test_a_head_is_capped_in_values():
     assert ahead._head is None
 
 
-def test_the_head_starts_as_the_layer_before_the_tail_is_summed(monkeypatch):
-    """Not among the norms: the worker then wakes while a product runs (see the module doc).
+def test_the_head_starts_as_the_product_of_the_layer_before_the_tail_begins(monkeypatch):
+    """Not among the norms or short kernels: the worker wakes while a product runs (module doc).
 
     The engine sums layers last to first; the head of the first layer's noise is started once,
-    after the norms, as the last layer's sum begins.
+    inside the last layer's product (its slot announces it), before the first layer is filled.
     """
-    from dpfy.grads.fast import FastEngine
+    from dpfy.grads import fast
+    from dpfy.grads.rules import linear
 
     events: list[str] = []
 
-    def spy(cls: type, method: str, label: object) -> None:
-        original = getattr(cls, method)
+    def spy(owner: object, name: str, label: Callable[..., str]) -> None:
+        original = getattr(owner, name)
 
-        def wrapper(self: object, *args: object, **kwargs: object) -> object:
-            events.append(label(self, *args, **kwargs) if callable(label) else label)
-            return original(self, *args, **kwargs)
+        def wrapper(*args: object, **kwargs: object) -> object:
+            events.append(label(*args, **kwargs))
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(cls, method, wrapper)
+        monkeypatch.setattr(owner, name, wrapper)
 
-    spy(FastEngine, "_unit_sq_norms", "norms")
-    spy(FastEngine, "_start_next_noise", lambda engine, _: f"next of {len(engine._pending)}")
+    spy(fast.FastEngine, "_unit_sq_norms", lambda *_: "norms")
+    spy(linear, "product_into", lambda left, *_: f"product {left.shape[0]}")
     spy(NoiseAhead, "prepare_head", lambda _, name, *rest: f"head {name}")
     spy(NoiseAhead, "fill", lambda _, out, std, name=None: f"fill {name}")
     private = seeded_run(width=4096, inputs=64)
@@ -453,4 +454,23 @@ def test_the_head_starts_as_the_layer_before_the_tail_is_summed(monkeypatch):
     private.optimizer.zero_grad()
     nn.functional.cross_entropy(private.model(x), y).backward()
     private.optimizer.step()
-    assert events == ["norms", "next of 1", "head 0.weight", "fill 0.weight", "fill 0.bias"]
+    assert events == [
+        "norms", "product 3", "head 0.weight", "fill 0.weight", "fill 0.bias", "product 4096"
+    ]  # fmt: skip
+
+
+def test_an_announced_slot_calls_back_once_before_its_rows_are_first_asked_for():
+    """Into.announced: the callback runs at the first wait, once; rows come from the slot."""
+    calls: list[int] = []
+    plain = Into(torch.zeros(6, 2)).announced(lambda: calls.append(1))
+    assert calls == []
+    assert plain.ready is not None and plain.ready(2) == 6  # a ready slot: every row, at once
+    plain.wait_all()
+    assert calls == [1]
+
+    asked: list[int] = []
+    filling = Into(torch.zeros(6, 2), lambda rows: asked.append(rows) or rows + 1)
+    announced = filling.announced(lambda: calls.append(2))
+    assert announced.ready is not None and announced.ready(3) == 4  # the slot's own answer
+    announced.wait_all()
+    assert calls == [1, 2] and asked == [3, 6]

@@ -20,7 +20,7 @@ from torch import Tensor
 from dpfy.grads.capture import Call, Tap, release
 from dpfy.grads.engine import GradEngine, NoiseStart
 from dpfy.grads.layout import Units, prepare_call
-from dpfy.grads.registry import LayerRule, find_rule
+from dpfy.grads.registry import Into, LayerRule, find_rule
 from dpfy.grads.rows import Rows
 
 __all__ = ["FastEngine"]
@@ -110,7 +110,7 @@ class FastEngine(GradEngine):
                     if (slot := self._slot(name, noise)) is not None
                 }
                 if noise is not None and self._pending:
-                    self._start_next_noise(noise)
+                    into = self._start_next_noise(noise, names, into)
                 if grouped is not None:
                     sums = {name: rows.weighted_sum(weights) for name, rows in grouped.items()}
                 else:
@@ -123,20 +123,30 @@ class FastEngine(GradEngine):
         finally:
             self._pending = []
 
-    def _start_next_noise(self, noise: NoiseStart) -> None:
-        """Start the noise of the layer summed next while this one sums (see _accumulate).
+    def _start_next_noise(
+        self, noise: NoiseStart, names: dict[str, str], into: dict[str, Into]
+    ) -> dict[str, Into]:
+        """Start the next layer's noise while this one (``names``, ``into``) sums; its slots.
 
-        The head is started here rather than as the clip phase begins: the worker then wakes
-        while this layer's product runs, not amid the norms' short kernels, each of which would
-        hand it the interpreter lock and leave the training thread waiting to take it back.
+        A head starts just as this layer's largest product begins (its slot announces it): the
+        worker then wakes while that product runs, not amid the short kernels before it, each of
+        which would hand it the interpreter lock and leave the training thread waiting to take
+        it back (see :mod:`dpfy.noise_ahead`).
         """
         upcoming_tap, upcoming_rule = self._pending[-1][:2]
         upcoming = self._model_names(upcoming_tap).values()
         if not upcoming_rule.fills_in_blocks:
             for name in upcoming:
                 self._slot(name, noise)  # opened now: its noise fills meanwhile
-        elif self._head is not None and self._head in upcoming:
-            noise.start_head(self._head)
+            return into
+        head = self._head
+        if head is None or head not in upcoming:
+            return into
+        largest = next(iter(names), None)
+        if largest not in into:  # no running sum to announce it: start it now
+            noise.start_head(head)
+            return into
+        return {**into, largest: into[largest].announced(lambda: noise.start_head(head))}
 
     def _model_names(self, tap: Tap) -> dict[str, str]:
         """The layer's trainable parameters, largest first: local name → name in the model."""

@@ -65,7 +65,27 @@ class Into:
     def wait_all(self) -> None:
         """Block until every row is ready."""
         if self.ready is not None:
-            self.ready(self.tensor.shape[0] if self.tensor.dim() else 1)
+            self.ready(self._rows)
+
+    def announced(self, callback: Callable[[], None]) -> Into:
+        """This slot, calling ``callback`` once, when a rule first waits for its rows.
+
+        Rules wait for rows right before writing them, so the callback runs just before the
+        product into this sum starts (how the fast engine times the next layer's noise head).
+        """
+        ready, rows, pending = self.ready, self._rows, [callback]
+
+        def first_ready(upto: int) -> int:
+            while pending:
+                pending.pop()()
+            return rows if ready is None else ready(upto)
+
+        return Into(self.tensor, first_ready)
+
+    @property
+    def _rows(self) -> int:
+        """Rows of the sum (a scalar is one row)."""
+        return self.tensor.shape[0] if self.tensor.dim() else 1
 
 
 class LayerRule:
