@@ -20,17 +20,18 @@ not drawn ahead: :meth:`NoiseAhead.fill` fills their running sum during the clip
 block of rows (:func:`dpfy.grads.registry.row_blocks`), while the engine adds the product into
 the rows already filled (or sums the layer before); :meth:`NoiseAhead.add_later` adds noise into
 a sum formed over several physical batches instead, drawing the same blocks, so both give the
-same noise. The first rows that product needs are drawn a little earlier, while the engine sums
-the layer before (:meth:`NoiseAhead.prepare_head`: the first ``HEAD_BLOCKS`` blocks of one
-parameter, into a tensor of their own): the product then starts at once, and the worker, still
-awake, stays ahead of it from then on. They are the first numbers that parameter's fill would
-have drawn.
+same noise. The first rows that product needs are drawn a little earlier, during the product
+of the layer summed before (:meth:`NoiseAhead.prepare_head`: the first ``HEAD_BLOCKS`` blocks of
+one parameter, into a tensor of their own): the product then starts at once, and the worker,
+still awake, stays ahead of it from then on. They are the first numbers that parameter's fill
+would have drawn.
 
 Each time the worker wakes or finishes a kernel it must take the interpreter lock; if the
 training thread is between two short kernels then, it finds the lock taken and sleeps until
 the worker lets go, which on the project's 2-core virtual machine costs it 50-100 µs each time.
 So work is handed to the worker where the training thread is about to run a long kernel (the
-head: as the layer before is summed, not among the norms' short kernels), and in few pieces.
+head: as the product of the layer before starts, not among the norms' short kernels, which cost
+about four such waits a step on the MLP benchmark), and in few pieces.
 
 What this must not break:
 
@@ -66,12 +67,12 @@ __all__ = ["NoiseAhead"]
 #: Blocks of a fill the training thread draws itself while an idle worker wakes up.
 FIRST_BLOCKS_HERE = 2
 
-#: Row blocks drawn early, while the layer before is summed, for the parameter filled first (its
-#: head): with ``row_blocks``' doubling sizes, a quarter of its rows or a little more (168 of the
-#: MLP's 512). The worker draws about 1.6x as fast as the product uses the rows on the MLP
-#: benchmark, so it needs a lead of about the next block; with 3 blocks the product still waited,
-#: with 4 it did not (one thread). The head is held while that parameter's sum is opened and
-#: copied into it; the optimizer caps its size (``prepare_head(max_values=...)``, see DPOptimizer).
+#: Row blocks drawn early (during the product of the layer before) for the parameter filled
+#: first, its head: with ``row_blocks``' doubling sizes, a quarter of its rows or a little more
+#: (168 of the MLP's 512). The worker draws about 1.6x as fast as the product uses the rows on
+#: the MLP benchmark, so it needs a lead of about the next block; with 3 blocks the product still
+#: waited, with 4 it did not (one thread). The head is held while that parameter's sum is opened
+#: and copied into it; the optimizer caps its size (``prepare_head(max_values=...)``).
 HEAD_BLOCKS = 4
 
 #: What a draw is for: each parameter's name, shape, dtype and device, and the std.
@@ -358,9 +359,9 @@ class NoiseAhead:
     ) -> None:
         """Start drawing the first ``HEAD_BLOCKS`` blocks of ``name``'s fill now, on the worker.
 
-        For the parameter the clip phase fills first, called as the engine starts summing the
-        layer before it: meanwhile the worker draws those rows into a tensor of their own, so
-        the fill's product can start on them at once. They are the numbers the
+        For the parameter the clip phase fills first, called as the engine starts the product
+        of the layer before it: meanwhile the worker draws those rows into a tensor of their
+        own, so the fill's product can start on them at once. They are the numbers the
         fill would draw first, so nothing may be drawn between this and that fill. With
         ``max_values``, fewer blocks if they would hold more values (a memory bound). A no-op
         when no core is idle (the fill then draws them itself), the parameter has few blocks, or

@@ -189,7 +189,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @functools.cached_property
     def _head(self) -> _Head | None:
-        """The tail parameter whose first rows of noise are drawn while the layer before sums.
+        """The tail parameter whose first rows of noise are drawn while the layer before is summed.
 
         The engine's product for it goes into those rows first; with their noise in hand it
         starts at once, while the worker draws the rest (:meth:`NoiseAhead.prepare_head`).

@@ -72,8 +72,8 @@ class NoiseStart(Protocol):
     def start_head(self, name: str) -> None:
         """The layer summed now comes just before ``name``'s: start drawing its first rows.
 
-        Called by an engine whose :meth:`GradEngine.noise_head` names ``name``, as it starts
-        summing the layer before that parameter's; ``fill`` or ``add`` then puts those rows in.
+        Called by an engine whose :meth:`GradEngine.noise_head` names ``name``, as the product
+        of the layer before that parameter's begins; ``fill`` or ``add`` then puts those rows in.
         """
         ...
 
