@@ -361,11 +361,11 @@ class NoiseAhead:
 
         For the parameter the clip phase fills first, called as the engine starts the product
         of the layer before it: meanwhile the worker draws those rows into a tensor of their
-        own, so the fill's product can start on them at once. They are the numbers the
-        fill would draw first, so nothing may be drawn between this and that fill. With
+        own, so the fill's product can start on them at once. They are the numbers the fill
+        would draw first, so nothing may be drawn between this and that fill. With
         ``max_values``, fewer blocks if they would hold more values (a memory bound). A no-op
-        when no core is idle (the fill then draws them itself), the parameter has few blocks, or
-        not even one block fits.
+        when no core is idle (the fill then draws them itself), the parameter has few blocks,
+        or not even one block fits.
         """
         self._drop_head()
         blocks = _by_rows(like)[1]

@@ -87,8 +87,8 @@ class NoiseSettings:
 
 
 @dataclass(frozen=True)
-class _Head:
-    """The parameter whose first rows of noise are drawn early, and the most values to draw."""
+class _HeadPlan:
+    """Which parameter gets a head (NoiseAhead draws it), and the most values it may hold."""
 
     name: str
     like: torch.Tensor
@@ -102,7 +102,7 @@ class _NoiseDuringClip:
     names: frozenset[str]
     noise: NoiseAhead
     std: float
-    head: _Head | None = None
+    head: _HeadPlan | None = None
 
     def fill(self, name: str, out: torch.Tensor) -> Callable[[int], int] | None:
         """Fill a running sum with noise, rows in order (on the worker when a core is idle)."""
@@ -188,7 +188,7 @@ class DPOptimizer(torch.optim.Optimizer):
         return {name: p for name, p in self.engine.params.items() if name not in tail}
 
     @functools.cached_property
-    def _head(self) -> _Head | None:
+    def _head(self) -> _HeadPlan | None:
         """The tail parameter whose first rows of noise are drawn while the layer before is summed.
 
         The engine's product for it goes into those rows first; with their noise in hand it
@@ -205,7 +205,7 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         param = self.engine.params[name]
         cap = 2 * math.ceil(self.settings.expected_batch_size) * param.shape[0]
-        return _Head(name, param, cap)
+        return _HeadPlan(name, param, cap)
 
     @property
     def _noise_share(self) -> float:
@@ -229,7 +229,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if opened:  # the batch's sum starts from its noise (drawn once, used once)
             self.engine.begin_sum(self.noise.take(self._drawn_ahead, self._noise_share))
         during = None
-        if self.boundary.closes_batch:  # a head only if this batch opened the sum (see _Head)
+        if self.boundary.closes_batch:  # a head only if this batch opened the sum (see _head)
             head = self._head if opened else None
             during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share, head)
         result = self._clip(during, scale=1.0 / self.settings.divisor)
