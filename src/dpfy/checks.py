@@ -6,7 +6,8 @@ examples and clipping it no longer bounds that example's influence. Running stat
 BatchNorm or by InstanceNorm with ``track_running_stats=True`` are averages of private batches,
 updated without noise and used at evaluation: they leak the data outside the DP guarantee. Layer,
 group and weight normalisation, and InstanceNorm without running statistics, are per-example and
-safe.
+safe. An embedding built with ``max_norm`` renormalises the rows the batch looks up, in place,
+during the forward pass: a data-dependent write to the parameters outside clipping and noise.
 
 :func:`check_model` refuses such models with one ValueError naming every offending layer and the
 fix; :func:`fix` replaces those layers (BatchNorm → GroupNorm, InstanceNorm → the same
@@ -79,7 +80,7 @@ _INSTANCE_NORM_FIX = (
 
 
 def find_batch_coupled_layers(model: nn.Module) -> tuple[ModelFinding, ...]:
-    """Every layer of ``model`` that normalises across the batch or keeps running statistics."""
+    """Every layer of ``model`` that couples examples, or writes to itself from data in forward."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     findings = []
@@ -96,7 +97,19 @@ def _inspect(path: str, module: nn.Module) -> ModelFinding | None:
         return ModelFinding(path, type(module).__name__, _BATCH_NORM_PROBLEM, _BATCH_NORM_FIX)
     if isinstance(module, _InstanceNorm) and module.track_running_stats:
         return ModelFinding(path, type(module).__name__, _INSTANCE_NORM_PROBLEM, _INSTANCE_NORM_FIX)
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+        return ModelFinding(path, type(module).__name__, _MAX_NORM_PROBLEM, _MAX_NORM_FIX)
     return None
+
+
+_MAX_NORM_PROBLEM = (
+    "max_norm renormalises, in place during the forward pass, the embedding rows the batch looks "
+    "up: the weights change with the private data outside clipping and noise, un-noised."
+)
+_MAX_NORM_FIX = (
+    "model = dpfy.fix(model), which sets max_norm=None, or build the layer without max_norm "
+    "(clipping bounds each example's influence instead)."
+)
 
 
 _SPARSE_PROBLEM = (
@@ -191,6 +204,10 @@ def fix(model: nn.Module, *, inplace: bool = False) -> nn.Module:
 def _replacement_for(module: nn.Module) -> nn.Module:
     """The per-example, stateless stand-in for one batch-coupled layer."""
     _refuse_uninitialised(module)
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        new = copy.copy(module)  # the same weight, without the in-place renormalisation
+        new.max_norm = None
+        return new
     if isinstance(module, _BatchNorm):
         channels = module.num_features
         new: nn.Module = nn.GroupNorm(

@@ -144,7 +144,8 @@ class SingleProcess:
         dataset_size: int,
         batch_size: int,
         steps: int,
-        generator: torch.Generator,
+        generator: torch.Generator | None,
+        secure: bool = False,
     ) -> SamplingKind | DpBatchSampler:
         """The loader builds its own sampler of this kind."""
         return kind
@@ -212,7 +213,8 @@ class ProcessGroupReplicas:
         dataset_size: int,
         batch_size: int,
         steps: int,
-        generator: torch.Generator,
+        generator: torch.Generator | None,
+        secure: bool = False,
     ) -> SamplingKind | DpBatchSampler:
         """This rank's shard, Poisson-sampled at the global q = B/N; other samplers refused."""
         if kind is not SamplingKind.POISSON:
@@ -223,7 +225,7 @@ class ProcessGroupReplicas:
             )
         rate = sampling_rate_for(dataset_size, batch_size)
         return ShardedPoissonSampler(
-            dataset_size, rate, steps, self.rank, self.world_size, generator
+            dataset_size, rate, steps, self.rank, self.world_size, generator, secure=secure
         )
 
     def run(self, what: str, collective: Callable[[], T]) -> T:

@@ -151,6 +151,9 @@ class PrivacyLedger:
         self._epsilon_cache: dict[tuple[str | None, bool, float], float] = {}
         self._headroom: _Headroom | None = None
         self._warned_assumption = False
+        #: The run this ledger accounts (set by make_private), so a checkpoint's ledger and
+        #: sampler state can be checked to belong together.
+        self.run_id: str | None = None
 
     # -- recording -----------------------------------------------------------------------------
     def record(
@@ -448,6 +451,7 @@ class PrivacyLedger:
             "entries": entries,
             "examples_seen": self._examples_seen,
             "sized_steps": self._sized_steps,
+            "run_id": self.run_id,
         }
 
     @classmethod
@@ -471,6 +475,10 @@ class PrivacyLedger:
                 ledger._load_entry(i, item)
             ledger._examples_seen = check_count("examples_seen", state["examples_seen"])
             ledger._sized_steps = check_count("sized_steps", state["sized_steps"])
+            run_id = state.get("run_id")
+            if run_id is not None and not isinstance(run_id, str):
+                raise ValueError("run_id must be a string")
+            ledger.run_id = run_id
         except KeyError as missing:
             raise ValueError(f"corrupt ledger state: missing field {missing}") from None
         except (TypeError, ValueError) as err:
@@ -514,6 +522,7 @@ class PrivacyLedger:
         self._sized_steps = loaded._sized_steps
         self._checked_events = loaded._checked_events
         self._warned_assumption = loaded._warned_assumption
+        self.run_id = loaded.run_id
         self._epsilon_cache = {}
         self._headroom = None
 

@@ -10,7 +10,10 @@ Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enfor
 - an empty batch is still a step: noise only, accounted (rule 3);
 - microbatch clipping of averages (guide alg. 3) has sensitivity 2C, so the noise std is 2σC and
   the sum is divided by the expected number of microbatches (rule 6);
-- the ledger's budget guard runs before anything changes (rule 9).
+- the ledger's budget guard runs before anything changes (rule 9);
+- a step's batch is the one the private loader drew last, whole, used once
+  (:mod:`dpfy.data.provenance`), and every parameter the wrapped optimizer would update is one
+  the engine clipped and noised: anything else is refused before anything changes.
 
 The noise does not depend on the data, so it is drawn ahead: ``zero_grad()`` opening a logical
 batch starts the draw on a worker thread (:mod:`dpfy.noise_ahead`) while the model computes, and
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from dpfy._validate import check_count, check_positive
+from dpfy.data.provenance import BatchRefused, DrawnBatch, Provenance
 from dpfy.data.records import SamplingRecord
 from dpfy.distributed import GradientAggregator, LocalAggregator
 from dpfy.grads import ClipResult, GradEngine, LossReduction, NoiseStart
@@ -42,14 +46,16 @@ class NonFiniteGradientError(ValueError):
 
 
 class BatchBoundary:
-    """Whether the physical chunk just processed closes its logical batch (virtual batching).
+    """Which physical chunk of the logical batch is being processed (virtual batching).
 
-    The virtual-batch loader sets it before yielding each chunk; the optimizer reads it in
-    ``step()`` and only noises and updates at the end of a logical batch.
+    The virtual-batch loader sets it before yielding each chunk: ``chunk`` is its [start, stop)
+    in the logical batch (None: the whole batch) and ``closes_batch`` whether it is the last.
+    The optimizer reads it in ``step()`` and only noises and updates at the end.
     """
 
     def __init__(self) -> None:
         self.closes_batch = True
+        self.chunk: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,11 +139,17 @@ class DPOptimizer(torch.optim.Optimizer):
         sampling: SamplingRecord,
         settings: NoiseSettings,
         *,
+        provenance: Provenance,
         loss_reduction: LossReduction = "mean",
         noise: NoiseSource | None = None,
         boundary: BatchBoundary | None = None,
         aggregator: GradientAggregator | None = None,
     ) -> None:
+        if not isinstance(provenance, Provenance):
+            raise ValueError(
+                "provenance must be the private loader's record of its batches "
+                "(DPDataLoader.provenance): a step must know its batch came from the sampler"
+            )
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the plain torch optimizer")
         if loss_reduction not in ("mean", "sum"):
@@ -155,6 +167,15 @@ class DPOptimizer(torch.optim.Optimizer):
         self.boundary = boundary if boundary is not None else BatchBoundary()
         self.aggregator = aggregator if aggregator is not None else LocalAggregator()
         self.clip_observers: list[Callable[[ClipResult], None]] = []
+        self.provenance = provenance
+        engine.follow(provenance.stamp)
+        self._private = {id(p) for p in engine.params.values()}
+
+    #: The clipping unit this optimizer accounts for; the batch's units must be of this kind.
+    @property
+    def clipping_unit(self) -> str:
+        """'microbatch' with microbatch clipping, else 'example' (user level: 'user')."""
+        return "example" if self.settings.microbatch_size is None else "microbatch"
 
     @property
     def noise(self) -> NoiseAhead:
@@ -225,6 +246,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        batch = self._take_batch()
         opened = not self.engine.summing
         if opened:  # the batch's sum starts from its noise (drawn once, used once)
             self.engine.begin_sum(self.noise.take(self._drawn_ahead, self._noise_share))
@@ -232,12 +254,11 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.boundary.closes_batch:  # a head only if this batch opened the sum (see _head)
             head = self._head if opened else None
             during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share, head)
-        result = self._clip(during, scale=1.0 / self.settings.divisor)
+        result = self._guarded(self._clip, batch, during, scale=1.0 / self.settings.divisor)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
-            self.engine.reset()
-            self.aggregator.skip()
+            self._abandon()
             raise NonFiniteGradientError(
                 "a per-example gradient is NaN or infinite (a non-finite loss?); the step was not "
                 "applied and the model and ledger are unchanged — check the inputs and the loss, "
@@ -249,20 +270,78 @@ class DPOptimizer(torch.optim.Optimizer):
         record = StepRecord(
             self.sampling, self.settings.noise_multiplier, batch_size=self.engine.num_examples
         )
-        try:
-            self.ledger.check_step(record)  # BudgetExhausted before anything changes
-        except Exception:
-            self.engine.reset()
-            self.aggregator.skip()
-            raise
+        self._guarded(self.provenance.check_size, batch, self.engine.num_examples)
+        self._guarded(self.ledger.check_step, record)  # BudgetExhausted before anything changes
         self._write_private_grads()
         self.original_optimizer.step()
         self.ledger.record(record)
+        self.provenance.consume(batch)
         self.engine.reset()
         return loss
 
-    def _clip(self, noise: NoiseStart | None = None, scale: float = 1.0) -> ClipResult:
-        """Clip this physical batch's units into the engine's sum (per example or microbatch).
+    def _take_batch(self) -> DrawnBatch:
+        """The drawn batch this step uses, after refusing every other path into the update.
+
+        Refused, with nothing changed: layer calls from anything but the batch the private
+        loader drew last (or from a batch already stepped on), a batch whose clipping units are
+        not this optimizer's, and a parameter the wrapped optimizer would update that the engine
+        does not clip and noise (unfrozen, or added with ``add_param_group``, after
+        make_private).
+        """
+        return self._guarded(self._checked_batch)
+
+    def _checked_batch(self) -> DrawnBatch:
+        """:meth:`_take_batch` without the clean-up on refusal."""
+        self._check_updated_params()
+        batch = self.provenance.check(self.engine.batch_stamps())
+        if batch.unit != self.clipping_unit:
+            raise BatchRefused(
+                f"the loader's batches are clipped per {batch.unit} but this optimizer accounts "
+                f"clipping per {self.clipping_unit}; build the loader and optimizer together "
+                "with make_private"
+            )
+        return batch
+
+    def _check_updated_params(self) -> None:
+        """Every parameter the wrapped optimizer would update must be one the engine privatises."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) in self._private:
+                    continue
+                if param.requires_grad or param.grad is not None:
+                    raise BatchRefused(
+                        f"a parameter of shape {tuple(param.shape)} in the optimizer is "
+                        "trainable but was frozen (or absent) when the run was made private, so "
+                        "its gradient would be applied unclipped and un-noised; freeze or unfreeze "
+                        "layers before make_private (for gradual unfreezing, make the run "
+                        "private again, with its ledger, after each change)"
+                    )
+
+    def _guarded(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one stage of the step; on any failure drop the batch in progress and re-raise."""
+        try:
+            return check(*args, **kwargs)
+        except Exception:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Forget the logical batch in progress (its sum and captures); the model is untouched."""
+        self.engine.reset()
+        self.engine.discard_captures()
+        self.aggregator.skip()
+
+    def _units(self, batch: DrawnBatch) -> torch.Tensor | None:
+        """The clipping unit of each example of the physical chunk being processed."""
+        if batch.units is None:
+            return None
+        start, stop = self.boundary.chunk or (0, batch.size)
+        return batch.units[start:stop]
+
+    def _clip(
+        self, batch: DrawnBatch, noise: NoiseStart | None = None, scale: float = 1.0
+    ) -> ClipResult:
+        """Clip this physical batch's units into the engine's sum (examples, microbatches, users).
 
         ``noise``: on the last physical batch, the parameters whose noise is filled in now.
         ``scale`` multiplies each clipped unit before it is summed (``step`` passes 1/B).
@@ -270,7 +349,7 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.engine.clip_and_accumulate(
             self.settings.max_grad_norm,
             self.loss_reduction,
-            microbatch_size=self.settings.microbatch_size,
+            groups=self._units(batch),
             noise=noise,
             scale=scale,
         )

@@ -12,6 +12,7 @@ import copy
 import inspect
 import math
 import os
+import secrets
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset
 from dpfy._validate import check_count, check_delta, check_positive
 from dpfy.accounting.calibrate import smallest_noise_multiplier
 from dpfy.accounting.events import DpEvent, NeighbouringRelation, SelfComposedEvent
+from dpfy.checkpoints import FORMAT, VERSION, seal, unseal
 from dpfy.checks import check_model
 from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.records import SamplingKind, SamplingRecord
@@ -45,8 +47,8 @@ from dpfy.optim import BatchBoundary, DPOptimizer, NoiseSettings
 from dpfy.settings import PrivacySettings
 from dpfy.virtual import VirtualBatchLoader
 
-CHECKPOINT_FORMAT = "dpfy.checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_FORMAT = FORMAT
+CHECKPOINT_VERSION = VERSION
 
 
 class PrivateTraining:
@@ -71,6 +73,8 @@ class PrivateTraining:
         self.settings = settings
         self.noise = noise
         self.replicas = replicas if replicas is not None else SingleProcess()
+        if ledger.run_id is None:  # one identity for all ranks, drawn by the writer
+            ledger.run_id = self.replicas.on_writer(lambda: secrets.token_hex(8))
 
     @property
     def noise_multiplier(self) -> float:
@@ -81,34 +85,40 @@ class PrivateTraining:
         """ε spent so far at ``delta`` (the run's δ by default), training and tuning included."""
         return self.ledger.epsilon(delta)
 
+    @property
+    def run_id(self) -> str:
+        """This run's identity, kept by its ledger: a resumed run continues the same one."""
+        assert self.ledger.run_id is not None
+        return self.ledger.run_id
+
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: model, optimizer, ledger, sampler and noise RNG.
 
-        Distributed: collective (call it on every rank); holds every rank's sampler and noise.
+        Sealed with a content digest (:mod:`dpfy.checkpoints`). Distributed: collective (call it
+        on every rank); holds every rank's sampler and noise.
         """
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "version": CHECKPOINT_VERSION,
-            "settings": asdict(self.settings),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "ledger": self.ledger.state_dict(),
-            "loader": self.replicas.gather(self.loader.state_dict()),
-            "noise": self.replicas.gather(self.noise.state_dict()),
-        }
+        return seal(
+            {
+                "settings": asdict(self.settings),
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "ledger": self.ledger.state_dict(),
+                "loader": self.replicas.gather(self.loader.state_dict()),
+                "noise": self.replicas.gather(self.noise.state_dict()),
+                "run": self.run_id,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; all or nothing — on any error nothing has changed."""
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError("not a dpfy checkpoint (missing format marker); nothing was loaded")
-        if state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(
-                f"unsupported dpfy checkpoint version {state.get('version')!r} "
-                f"(this dpfy reads version {CHECKPOINT_VERSION}); nothing was loaded"
-            )
-        self.replicas.mine(state.get("loader"))  # another number of ranks: refused by name
-        saved = state.get("settings")
+        """Resume from :meth:`state_dict`; all or nothing — on any error nothing has changed.
+
+        Refused: a checkpoint whose content changed since it was written, or whose ledger does
+        not belong with its sampler state (another run's, an earlier one, an emptied one).
+        """
+        state = unseal(state)
+        mine = self.replicas.mine(state["loader"])  # another number of ranks: refused by name
+        saved = state["settings"]
         if saved != asdict(self.settings):
             raise ValueError(
                 "the checkpoint was made with different privacy settings "
@@ -116,6 +126,7 @@ class PrivateTraining:
                 "make_private arguments. Nothing was loaded."
             )
         ledger = PrivacyLedger.from_state_dict(state["ledger"])  # validates before any change
+        _check_binding(ledger, state["run"], mine)
         backup = {
             "model": copy.deepcopy(self.model.state_dict()),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -125,7 +136,7 @@ class PrivateTraining:
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-            self.loader.load_state_dict(self.replicas.mine(state["loader"]))
+            self.loader.load_state_dict(mine)
             self.noise.load_state_dict(self.replicas.mine(state["noise"]))
         except Exception as err:
             self.model.load_state_dict(backup["model"])
@@ -220,10 +231,11 @@ def make_private(
     budget guard stops the run there) / ``noise_multiplier``. ``sampler`` is Poisson unless you
     explicitly choose "shuffle" (accounted under the Poisson assumption, flagged as not met) or
     "fixed-size" (replace-one adjacency, RDP accounting). ``seed`` makes sampling and noise
-    reproducible; leave it None in production (OS-seeded). ``secure_noise`` draws noise from the
-    OS CSPRNG (slower; see :mod:`dpfy.noise`). ``distributed`` (None: automatic when a process
-    group of more than one rank is initialised) trains across ranks with one guarantee and one
-    ledger: every rank passes the same whole dataset and settings (:mod:`dpfy.distributed`).
+    reproducible; leave it None in production (OS-seeded). ``secure_noise`` draws noise and
+    sampling from the OS CSPRNG (slower; see :mod:`dpfy.noise`; no seed then). ``distributed``
+    (None: automatic when a process group of more than one rank is initialised) trains across
+    ranks with one guarantee and one ledger: every rank passes the same whole dataset and
+    settings (:mod:`dpfy.distributed`).
     ``user_ids`` (one user id per example) switches to user-level DP-SGD: ``batch_size`` is then
     the expected number of users per step (:mod:`dpfy.user_level`). ``algorithm="dp-ftrl"``
     trains with DP-FTRL instead (:func:`dpfy.ftrl.make_private_ftrl`: SGD, fixed batches in
@@ -245,13 +257,19 @@ def make_private(
     warn_if_delta_too_large(delta, dataset_size)
     kind = SamplingKind.parse(sampler)
     relation, accountant = _accounting_for(kind, accountant)
-    generator = seeded_generator(None if seed is None else replicas.sampling_seed(seed))
+    generator = seeded_generator(
+        None if seed is None else replicas.sampling_seed(seed), secure_noise
+    )
     loader = DPDataLoader(
         train_dataset,
         batch_size,
         steps=total_steps,
-        sampler=replicas.sampler(kind, dataset_size, batch_size, total_steps, generator),
+        sampler=replicas.sampler(
+            kind, dataset_size, batch_size, total_steps, generator, secure=secure_noise
+        ),
         generator=generator,
+        secure=secure_noise,
+        microbatch_size=microbatch_size,
     )
     record = loader.sampling_record
     sigma = _noise_multiplier(
@@ -270,6 +288,7 @@ def make_private(
         ledger,
         record,
         settings,
+        provenance=loader.provenance,
         loss_reduction=loss_reduction,
         noise=noise,
         boundary=boundary,
@@ -303,6 +322,29 @@ def make_private(
     )
 
 
+def _check_binding(ledger: PrivacyLedger, run: Any, loader_state: Any) -> None:
+    """The checkpoint's ledger must be this run's and as long as its sampler has stepped.
+
+    Every completed private step records one ledger step and consumes one drawn batch, so the
+    two counts are equal in any checkpoint the run wrote itself.
+    """
+    if ledger.run_id != run:
+        raise ValueError(
+            f"the checkpoint's ledger belongs to run {ledger.run_id!r}, not to the checkpoint's "
+            f"run {run!r}: it was taken from another checkpoint. Nothing was loaded — resume "
+            "from a checkpoint as the run wrote it"
+        )
+    provenance = loader_state.get("provenance") if isinstance(loader_state, dict) else None
+    stepped = provenance.get("stepped") if isinstance(provenance, dict) else None
+    if stepped != ledger.steps:
+        raise ValueError(
+            f"the checkpoint's ledger records {ledger.steps} training steps but its sampler state "
+            f"says {stepped} batches were stepped on: the ledger is from another point of the "
+            "run (or was emptied). Nothing was loaded — resume from a checkpoint as the run "
+            "wrote it"
+        )
+
+
 # -- steps every builder shares (DP-SGD here, user level in dpfy.user_level, DP-FTRL in dpfy.ftrl)
 
 
@@ -332,8 +374,19 @@ def warn_if_delta_too_large(delta: float, records: int, record: str = "example")
         )
 
 
-def seeded_generator(seed: int | None) -> torch.Generator:
-    """The sampling generator: OS-seeded in production, seeded only for experiments."""
+def seeded_generator(seed: int | None, secure: bool = False) -> torch.Generator | None:
+    """The sampling generator: OS-seeded in production, seeded only for experiments.
+
+    None with ``secure``: sampling then draws from the OS CSPRNG like the noise, since an
+    adversary who can predict the batches defeats the amplification the accounting counts on.
+    """
+    if secure:
+        if seed is not None:
+            raise ValueError(
+                "secure_noise=True draws sampling and noise from the OS CSPRNG, which no seed can "
+                "replay; pass seed=None with secure_noise=True, or secure_noise=False to seed"
+            )
+        return None
     generator = torch.Generator()
     if seed is None:
         generator.seed()

@@ -36,11 +36,10 @@ from dpfy.data.loader import dataset_size_of
 from dpfy.data.records import SamplingKind
 from dpfy.data.user_sampling import (
     UserDataLoader,
-    UserGroups,
     check_user_ids,
     user_sampling_rate,
 )
-from dpfy.grads import ClipResult, EngineChoice, LossReduction, NoiseStart, make_engine
+from dpfy.grads import EngineChoice, LossReduction, make_engine
 from dpfy.ledger import PrivacyLedger
 from dpfy.optim import BatchBoundary, DPOptimizer, NoiseSettings
 from dpfy.session import (
@@ -78,28 +77,20 @@ def group_privacy(epsilon: float, delta: float, group_size: int) -> tuple[float,
 class UserDPOptimizer(DPOptimizer):
     """A :class:`DPOptimizer` that clips the mean gradient of each user in the batch to C.
 
-    The user id of each example comes from the run's :class:`UserDataLoader` through the shared
-    :class:`UserGroups`; everything after clipping (noise σC, ÷ expected users, budget guard,
-    ledger) is the parent's.
+    The user id of each example comes with the batch from the run's :class:`UserDataLoader`
+    (its published clipping units); everything after clipping (noise σC, ÷ expected users,
+    budget guard, ledger) is the parent's.
     """
 
-    def __init__(self, *args: Any, groups: UserGroups, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.settings.microbatch_size is not None:
             raise ValueError("user-level DP-SGD clips per user; do not set microbatch_size")
-        self.groups = groups
 
-    def _clip(self, noise: NoiseStart | None = None, scale: float = 1.0) -> ClipResult:
-        """Average each user's per-example gradients, clip that mean to C, add it to the sum."""
-        users = self.groups.current
-        if users is None:
-            raise RuntimeError(
-                "no user ids for this batch: at user level, draw batches from the run's loader "
-                "(for batch in private.loader: ...), which says whose example is whose"
-            )
-        return self.engine.clip_and_accumulate(
-            self.settings.max_grad_norm, self.loss_reduction, groups=users, noise=noise, scale=scale
-        )
+    @property
+    def clipping_unit(self) -> str:
+        """Each user's examples are one unit: the loader must say whose example is whose."""
+        return "user"
 
 
 def make_user_private(
@@ -142,8 +133,7 @@ def make_user_private(
     user_sampling_rate(num_users, batch_size)  # refuses B_users outside [1, N_users]
     total_steps = _resolve_steps(epochs, steps, num_users, batch_size)
     relation, accountant = _accounting_for(SamplingKind.POISSON, accountant)
-    generator = seeded_generator(seed)
-    groups = UserGroups()
+    generator = seeded_generator(seed, secure_noise)
     loader = UserDataLoader(
         train_dataset,
         ids,
@@ -151,7 +141,7 @@ def make_user_private(
         steps=total_steps,
         max_examples_per_user=max_examples_per_user,
         generator=generator,
-        groups=groups,
+        secure=secure_noise,
     )
     record = loader.sampling_record
     sigma = _noise_multiplier(
@@ -168,10 +158,10 @@ def make_user_private(
         ledger,
         record,
         NoiseSettings(sigma, max_grad_norm, batch_size),  # sensitivity C, ÷ expected users
+        provenance=loader.provenance,
         loss_reduction=loss_reduction,
         noise=noise,
         boundary=BatchBoundary(),
-        groups=groups,
     )
     privacy = PrivacySettings(
         dataset_size=num_users,

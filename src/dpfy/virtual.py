@@ -2,50 +2,49 @@
 
 Privacy is decided per *logical* batch: the optimizer clips every chunk, but noises, accounts and
 updates once, when the chunk that closes the logical batch has been processed. The loader tells
-it which chunk that is through a shared :class:`~dpfy.optim.BatchBoundary`.
+it which chunk that is through a shared :class:`~dpfy.optim.BatchBoundary`. A clipping unit of
+several examples (a microbatch, a user) is never split between chunks: its average is clipped
+as a whole, so the batch is ordered by unit and cut only between units.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from dpfy._validate import check_count
+from dpfy.data.batches import batch_length, slice_batch, take_batch
 from dpfy.data.loader import DPDataLoader
 from dpfy.optim import BatchBoundary
 
-
-def batch_length(batch: Any) -> int:
-    """The number of examples in a collated batch (its first tensor's leading dimension)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    if isinstance(batch, Mapping):
-        return batch_length(next(iter(batch.values())))
-    if isinstance(batch, Sequence) and not isinstance(batch, str) and batch:
-        return batch_length(batch[0])
-    raise ValueError(f"cannot find the batch dimension of a {type(batch).__name__}")
+__all__ = ["VirtualBatchLoader", "batch_length", "chunk_bounds", "slice_batch"]
 
 
-def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Examples ``start:stop`` of a collated batch, keeping its structure."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, Mapping):
-        return type(batch)({k: slice_batch(v, start, stop) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(slice_batch(v, start, stop) for v in batch))
-    if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(slice_batch(v, start, stop) for v in batch)
-    return batch
+def chunk_bounds(units: torch.Tensor | None, examples: int, size: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk: at most ``size`` examples, cut only between units.
+
+    ``units`` (sorted) holds each example's unit; a unit larger than ``size`` is one chunk of its
+    own. An empty batch is one empty chunk, so its step (noise only) still happens.
+    """
+    if examples == 0:
+        return [(0, 0)]
+    if units is None:
+        return [(s, min(s + size, examples)) for s in range(0, examples, size)]
+    _, counts = torch.unique_consecutive(units, return_counts=True)
+    bounds, start, stop = [], 0, 0
+    for count in counts.tolist():
+        if stop > start and stop + count - start > size:
+            bounds.append((start, stop))
+            start = stop
+        stop += count
+    bounds.append((start, stop))
+    return bounds
 
 
 class VirtualBatchLoader:
-    """Yields physical chunks of at most ``max_physical_batch_size`` examples per logical batch.
-
-    An empty logical batch yields one empty chunk, so the step (noise only) still happens.
-    """
+    """Yields physical chunks of at most ``max_physical_batch_size`` examples per logical batch."""
 
     def __init__(
         self, loader: DPDataLoader, max_physical_batch_size: int, boundary: BatchBoundary
@@ -58,14 +57,18 @@ class VirtualBatchLoader:
 
     def __iter__(self) -> Iterator[Any]:
         """Chunks of each logical batch, the boundary set before each one is handed out."""
-        size = self.max_physical_batch_size
         for batch in self.loader:
-            n = batch_length(batch)
-            starts = list(range(0, n, size)) or [0]
-            for i, start in enumerate(starts):
-                self.boundary.closes_batch = i == len(starts) - 1
-                yield slice_batch(batch, start, min(start + size, n))
-        self.boundary.closes_batch = True
+            units = self.loader.provenance.current.units
+            if units is not None:
+                order = torch.argsort(units, stable=True)
+                batch = take_batch(batch, order)
+                units = self.loader.provenance.reorder(order)
+            bounds = chunk_bounds(units, batch_length(batch), self.max_physical_batch_size)
+            for i, (start, stop) in enumerate(bounds):
+                self.boundary.closes_batch = i == len(bounds) - 1
+                self.boundary.chunk = (start, stop)
+                yield slice_batch(batch, start, stop)
+        self.boundary.closes_batch, self.boundary.chunk = True, None
 
     def __len__(self) -> int:
         """The number of logical batches (steps) in one pass."""

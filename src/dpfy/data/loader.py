@@ -2,8 +2,9 @@
 
 ``DPDataLoader`` is a plain ``torch.utils.data.DataLoader`` (workers, pinning and the rest work as
 usual) built on one of the samplers of :mod:`dpfy.data.sampling`. An empty Poisson batch is still
-a DP-SGD step (DESIGN rule 3), so instead of crashing in ``collate([])`` it yields tensors shaped
-like a real batch with zero rows.
+a DP-SGD step, so instead of crashing in ``collate([])`` it yields tensors shaped like a real batch
+with zero rows. Every batch it hands out is published to its
+:class:`~dpfy.data.provenance.Provenance`, which the private optimizer checks each step against.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from dpfy._validate import check_count
 from dpfy.accounting.events import DpEvent
+from dpfy.data.batches import batch_length, holds_batches
+from dpfy.data.microbatches import MicrobatchSlots
+from dpfy.data.provenance import Provenance
+from dpfy.data.randomness import SecureSource, TorchSource
 from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import DpBatchSampler, check_batch_size, make_sampler
 
@@ -27,7 +32,9 @@ class DPDataLoader(DataLoader):
 
     One pass over the loader yields exactly ``steps`` batches: by default one epoch, ``N // B``
     steps, so the usual ``for epoch in range(E): for batch in loader`` loop works; ``epochs=E``
-    instead makes one pass the whole run (``E · N // B`` steps).
+    instead makes one pass the whole run (``E · N // B`` steps). ``microbatch_size=k`` draws
+    each example's microbatch independently (:mod:`dpfy.data.microbatches`) and publishes it with
+    the batch, for microbatch clipping.
     """
 
     def __init__(
@@ -41,6 +48,7 @@ class DPDataLoader(DataLoader):
         generator: torch.Generator | None = None,
         secure: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        microbatch_size: int | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         dataset_size = dataset_size_of(dataset)
@@ -71,6 +79,12 @@ class DPDataLoader(DataLoader):
         self.expected_batch_size = batch_size
         self.steps_per_epoch = per_epoch
         self._consumed = 0  # batches handed out in the current pass
+        self.provenance = Provenance()
+        self.microbatches = (
+            None
+            if microbatch_size is None
+            else MicrobatchSlots(batch_size, microbatch_size, _unit_source(generator, secure))
+        )
 
     @property
     def dp_sampler(self) -> DpBatchSampler:
@@ -92,19 +106,44 @@ class DPDataLoader(DataLoader):
         return self.dp_sampler.step_event(noise_multiplier)
 
     def __iter__(self) -> Iterator[Any]:
-        """Iterate as DataLoader does, counting batches handed out for exact checkpoints."""
+        """Iterate as DataLoader does, publishing each batch as it is handed out."""
         self._consumed = self.dp_sampler.resume_position or 0
         for batch in super().__iter__():
             self._consumed += 1
-            yield batch
+            yield self._publish(batch)
+
+    def _publish(self, batch: Any) -> Any:
+        """Tell the run which batch is in hand (size, clipping units, place in its epoch)."""
+        size = batch_length(batch)
+        units = None if self.microbatches is None else self.microbatches.draw(size)
+        self._announce(size, units, "example" if units is None else "microbatch")
+        return batch
+
+    def _announce(self, size: int, units: torch.Tensor | None, unit: str) -> None:
+        """Publish one batch handed out, with its place in the epoch as the sampler cut it."""
+        position = self.dp_sampler.epoch_position(self._consumed)
+        self.provenance.publish(size, units, position, unit)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler state as of the batches handed out (not those prefetched by workers)."""
-        return self.dp_sampler.state_dict(position=self._consumed)
+        state = self.dp_sampler.state_dict(position=self._consumed)
+        state["provenance"] = self.provenance.state_dict()
+        if self.microbatches is not None:
+            state["microbatches"] = self.microbatches.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next pass continues where the checkpointed one stopped."""
+        if not isinstance(state, dict):
+            raise ValueError(f"loader state must be a dict, got {type(state).__name__}")
+        if (self.microbatches is None) != ("microbatches" not in state):
+            raise ValueError("the checkpoint and this loader disagree on microbatch clipping")
+        provenance = Provenance()
+        provenance.load_state_dict(state.get("provenance"))  # validated before any change
         self.dp_sampler.load_state_dict(state)
+        if self.microbatches is not None:
+            self.microbatches.load_state_dict(state["microbatches"])
+        self.provenance.load_state_dict(provenance.state_dict())
         self._consumed = self.dp_sampler.position
 
 
@@ -154,7 +193,7 @@ def _cut_to_zero(value: Any) -> Any:
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(_cut_to_zero(v) for v in value))
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        if isinstance(value, list) and value and not _holds_batches(value):
+        if isinstance(value, list) and value and not holds_batches(value):
             return []  # a list of per-example items (e.g. strings): empty list
         return type(value)(_cut_to_zero(v) for v in value)
     raise ValueError(
@@ -163,9 +202,17 @@ def _cut_to_zero(value: Any) -> Any:
     )
 
 
-def _holds_batches(items: list[Any]) -> bool:
-    """Whether a collated list is a container of batches rather than a batch of items."""
-    return all(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in items)
+def _unit_source(generator: torch.Generator | None, secure: bool) -> SecureSource | TorchSource:
+    """Randomness for clipping units: the OS CSPRNG when sampling is secure, else a generator.
+
+    Seeded runs derive its seed from the sampling generator, so they stay reproducible.
+    """
+    if secure:
+        return SecureSource()
+    if generator is None:
+        return TorchSource()
+    seed = int(torch.randint(2**62, (1,), generator=generator))
+    return TorchSource(torch.Generator().manual_seed(seed))
 
 
 def _clone_structure(value: Any) -> Any:

@@ -50,6 +50,10 @@ class RandomSource(abc.ABC):
         """k distinct indices drawn uniformly without replacement from range(n) (int64)."""
 
     @abc.abstractmethod
+    def integers(self, n: int, high: int) -> torch.Tensor:
+        """n independent integers, each uniform on [0, high) (int64)."""
+
+    @abc.abstractmethod
     def get_state(self) -> torch.Tensor | None:
         """A snapshot from which the stream continues identically (None if not reproducible)."""
 
@@ -89,6 +93,10 @@ class TorchSource(RandomSource):
         """k distinct indices drawn uniformly without replacement from range(n) (int64)."""
         return torch.randperm(n, generator=self.generator)[:k]
 
+    def integers(self, n: int, high: int) -> torch.Tensor:
+        """n independent integers, each uniform on [0, high) (int64)."""
+        return torch.randint(high, (n,), generator=self.generator, dtype=torch.int64)
+
     def get_state(self) -> torch.Tensor:
         """The generator's full state (a byte tensor)."""
         return self.generator.get_state()
@@ -126,6 +134,10 @@ class SecureSource(RandomSource):
     def choice(self, n: int, k: int) -> torch.Tensor:
         """k distinct indices drawn uniformly without replacement from range(n)."""
         return torch.tensor(self._system.sample(range(n), k), dtype=torch.int64)
+
+    def integers(self, n: int, high: int) -> torch.Tensor:
+        """n independent integers, each uniform on [0, high) (exact, from OS randomness)."""
+        return torch.tensor([self._system.randrange(high) for _ in range(n)], dtype=torch.int64)
 
     def get_state(self) -> None:
         """OS randomness has no state to save."""

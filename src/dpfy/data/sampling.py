@@ -71,6 +71,10 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
         """q, from the dataset size and the (expected) batch size."""
         return self.record.sampling_rate
 
+    def epoch_position(self, position: int) -> int | None:
+        """The place (0-based) in its epoch of the pass's batch ``position`` (None: no epochs)."""
+        return None
+
     @property
     def position(self) -> int:
         """Batches drawn so far in the current pass (workers may draw ahead of the consumer)."""
@@ -141,19 +145,20 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
         ``position`` lets a DataLoader that prefetches report the state as of the batches it has
         actually handed out; it must be one of the last ~1000 positions drawn.
         """
-        if position is None:
-            snapshot = self._history[-1]
-        else:
-            matches = [s for s in self._history if s["position"] == position]
-            if not matches:
-                drawn = [s["position"] for s in self._history]
-                raise ValueError(
-                    f"no sampler state for position {position} of this pass "
-                    f"(known: {drawn[0]}..{drawn[-1]})"
-                )
-            snapshot = matches[-1]
+        snapshot = self._history[-1] if position is None else self._snapshot_at(position)
         state = {"version": _STATE_VERSION, **self._identity(), **snapshot}
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    def _snapshot_at(self, position: int) -> dict[str, Any]:
+        """The stream state just after batch ``position`` of this pass was drawn."""
+        for snapshot in reversed(self._history):
+            if snapshot["position"] == position:
+                return snapshot
+        drawn = [s["position"] for s in self._history]
+        raise ValueError(
+            f"no sampler state for position {position} of this pass "
+            f"(known: {drawn[0]}..{drawn[-1]})"
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the stream: the next iteration continues the interrupted pass.
@@ -311,6 +316,10 @@ class ShuffleSampler(DpBatchSampler):
     def batches_per_epoch(self) -> int:
         """N // B full batches per permutation."""
         return self.dataset_size // self.batch_size
+
+    def epoch_position(self, position: int) -> int:
+        """Read from the permutation's offset once that batch was cut (workers may draw ahead)."""
+        return int(self._snapshot_at(position)["offset"]) - 1
 
     @property
     def record(self) -> SamplingRecord:

@@ -7,14 +7,14 @@ uniformly without replacement afresh each time the user is sampled). The sampler
 :class:`~dpfy.data.records.SamplingRecord` has ``unit="user"`` and ``dataset_size = N_users``, so
 the ledger accounts ``PoissonSampledEvent(B_users / N_users, GaussianEvent(σ))`` per step.
 
-:class:`UserDataLoader` yields ordinary collated batches (a user's examples are consecutive) and,
-before handing each one out, stores the user id of every example in a shared
-:class:`UserGroups`, which the user-level optimizer reads to clip per user.
+:class:`UserDataLoader` yields ordinary collated batches (a user's examples are consecutive) and
+publishes each with the user id of every example as its clipping units, which the private
+optimizer reads to clip per user.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,12 +22,12 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from dpfy._validate import check_count, check_sampling_rate
 from dpfy.data.loader import DPDataLoader, EmptyBatchCollate, dataset_size_of, empty_batch_like
+from dpfy.data.provenance import Provenance
 from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import DpBatchSampler
 
 __all__ = [
     "UserDataLoader",
-    "UserGroups",
     "UserPoissonSampler",
     "check_user_ids",
     "user_sampling_rate",
@@ -159,13 +159,6 @@ class UserPoissonSampler(DpBatchSampler):
         }
 
 
-class UserGroups:
-    """The user id of each example of the batch just handed out (shared loader → optimizer)."""
-
-    def __init__(self) -> None:
-        self.current: torch.Tensor | None = None
-
-
 class _Tagged(Dataset):
     """The dataset's item together with the user id of that example."""
 
@@ -193,9 +186,10 @@ class _TaggedCollate:
 class UserDataLoader(DPDataLoader):
     """A :class:`DPDataLoader` over Poisson-sampled users; publishes each batch's user ids.
 
-    Batches look exactly like the dataset's usual collated batches; before each is handed out,
-    ``groups.current`` holds the user id of each of its examples. Checkpoint state, resumption
-    and the sampling record work as for :class:`DPDataLoader`. One pass is ``steps`` steps.
+    Batches look exactly like the dataset's usual collated batches; each is published with the
+    user id of each of its examples as its clipping units (``provenance.current.units``).
+    Checkpoint state, resumption and the sampling record work as for :class:`DPDataLoader`.
+    One pass is ``steps`` steps.
     """
 
     def __init__(
@@ -208,7 +202,6 @@ class UserDataLoader(DPDataLoader):
         max_examples_per_user: int | None = None,
         generator: torch.Generator | None = None,
         secure: bool = False,
-        groups: UserGroups | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
@@ -239,17 +232,17 @@ class UserDataLoader(DPDataLoader):
         self.user_dataset = dataset
         self.expected_batch_size = expected_users
         self.steps_per_epoch = max(1, num_users // expected_users)
-        self.groups = groups if groups is not None else UserGroups()
         self._consumed = 0
+        self.provenance = Provenance()
+        self.microbatches = None
 
     @property
     def num_users(self) -> int:
         """N_users."""
         return self.dp_sampler.dataset_size
 
-    def __iter__(self) -> Iterator[Any]:
-        """The batches, each with ``groups.current`` set to its examples' user ids."""
-        for batch, users in super().__iter__():
-            self.groups.current = users
-            yield batch
-        self.groups.current = None
+    def _publish(self, batch: Any) -> Any:
+        """Publish the batch with its examples' user ids as the clipping units."""
+        examples, users = batch
+        self._announce(int(users.numel()), users, "user")
+        return examples

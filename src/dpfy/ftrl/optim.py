@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dpfy.accounting.events import tree_aggregation_reason
+from dpfy.data.provenance import BatchRefused, DrawnBatch, Provenance
 from dpfy.data.records import TREE_KINDS, SamplingRecord
 from dpfy.ftrl.accounting import new_tree_nodes, resolve_restart
 from dpfy.ftrl.tree import TreeNoise
@@ -80,6 +81,7 @@ class DPFTRLOptimizer(DPOptimizer):
         *,
         restart_every: int | str | None = "epoch",
         tree: str = "efficient",
+        provenance: Provenance,
         loss_reduction: LossReduction = "mean",
         noise: NoiseSource | None = None,
         boundary: BatchBoundary | None = None,
@@ -101,6 +103,7 @@ class DPFTRLOptimizer(DPOptimizer):
             ledger,
             sampling,
             settings,
+            provenance=provenance,
             loss_reduction=loss_reduction,
             noise=noise,
             boundary=boundary,
@@ -115,7 +118,6 @@ class DPFTRLOptimizer(DPOptimizer):
         self._previous = {name: torch.zeros_like(p) for name, p in params.items()}
         self._velocity = {name: torch.zeros_like(p) for name, p in params.items()}
         self.steps_done = 0
-        self._skipped = False  # a batch was drawn but not stepped (non-finite gradient)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` (the tree draws its own noise: nothing is drawn ahead)."""
@@ -127,13 +129,12 @@ class DPFTRLOptimizer(DPOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        result = self._clip()  # consumes the batch's hooked activations either way
-        self._refuse_after_skip()
+        batch = self._guarded(self._in_tree_order)
+        result = self._guarded(self._clip, batch)
         for observe in self.clip_observers:  # diagnostics only
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
-            self.engine.reset()
-            self._skipped = True
+            self._abandon()
             raise NonFiniteGradientError(
                 "a per-example gradient is NaN or infinite (a non-finite loss?); the step was not "
                 "applied and the model and ledger are unchanged — check the inputs and the loss, "
@@ -142,40 +143,41 @@ class DPFTRLOptimizer(DPOptimizer):
             )
         if not self.boundary.closes_batch:
             return loss
-        position = self.steps_done % self.steps_per_epoch + 1
+        position = batch.epoch_position + 1
         nodes = new_tree_nodes(position, self.restart_every)
         record = StepRecord(
             dataclasses.replace(self.sampling, tree_nodes=nodes),
             self.settings.noise_multiplier,
             batch_size=self.engine.num_examples,
         )
+        self._guarded(self.provenance.check_size, batch, self.engine.num_examples)
         if nodes:  # a step releasing no new node costs nothing and cannot exceed the budget
-            try:
-                self.ledger.check_step(record)
-            except Exception:
-                self.engine.reset()
-                raise
+            self._guarded(self.ledger.check_step, record)
         self._update(self.engine.summed_grads(), restart=(position - 1) % self.restart_every == 0)
         self.ledger.record(record)
+        self.provenance.consume(batch)
         self.engine.reset()
         self.steps_done += 1
         return loss
 
-    def _refuse_after_skip(self) -> None:
-        """After a skipped batch the step count no longer follows the sampler's epochs.
+    def _in_tree_order(self) -> DrawnBatch:
+        """The drawn batch, which must be the next one of the epoch the trees are following.
 
-        The trees restart at epoch positions counted in steps; one batch fewer would put the
-        next epoch's first batch into this epoch's last tree, where an example can sit twice —
-        outside the tree bound the ledger charges (Kairouz et al. 2021, App. D).
+        The trees restart at the sampler's epoch positions; a batch skipped (a refused step) or
+        a step without a fresh batch would put the next epoch's batches into this epoch's last
+        tree, where an example can sit twice — outside the tree bound the ledger charges
+        (Kairouz et al. 2021, App. D).
         """
-        if self._skipped:
-            self.engine.reset()
-            raise ValueError(
-                "a batch was skipped after a non-finite gradient, so DP-FTRL's trees no longer "
-                "line up with the epochs and this step could put an example twice in one tree; "
-                "reload the last checkpoint (PrivateTraining.load) and fix the loss or lower the "
-                "learning rate"
+        batch = self._checked_batch()
+        expected = self.steps_done % self.steps_per_epoch
+        if batch.epoch_position != expected:
+            raise BatchRefused(
+                f"DP-FTRL's trees are at batch {expected} of the epoch but the loader handed out "
+                f"batch {batch.epoch_position}: a batch was skipped (a refused or failed step), "
+                "so this step could put an example twice in one tree; reload the last "
+                "checkpoint (PrivateTraining.load) and step on every batch in order"
             )
+        return batch
 
     @torch.no_grad()
     def _update(self, summed: dict[str, torch.Tensor], *, restart: bool) -> None:
@@ -240,7 +242,6 @@ class DPFTRLOptimizer(DPOptimizer):
         self._anchor, self._sum = tensors["anchor"], tensors["sum"]
         self._previous, self._velocity = tensors["previous"], tensors["velocity"]
         self.steps_done = int(ftrl["steps_done"])
-        self._skipped = False
 
     def __repr__(self) -> str:
         """The privacy settings and the tree configuration."""

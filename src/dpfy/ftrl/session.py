@@ -86,15 +86,24 @@ def make_private_ftrl(
     total_steps = _ftrl_steps(epochs, steps, per_epoch)
     warn_if_delta_too_large(delta, dataset_size)
     sigma = _sigma(target_epsilon, noise_multiplier, delta, total_steps, per_epoch, k, accountant)
-    generator = seeded_generator(seed)
+    generator = seeded_generator(seed, secure_noise)
     order = OrderedSampler(
         dataset_size,
         batch_size,
         total_steps,
         generator,
         shuffle=kind is SamplingKind.TREE_SHUFFLE,
+        secure=secure_noise,
     )
-    loader = DPDataLoader(train_dataset, batch_size, steps=total_steps, sampler=order)
+    loader = DPDataLoader(
+        train_dataset,
+        batch_size,
+        steps=total_steps,
+        sampler=order,
+        generator=generator,
+        secure=secure_noise,
+        microbatch_size=microbatch_size,
+    )
     ledger = PrivacyLedger(
         delta, accountant=accountant, target_epsilon=target_epsilon, relation=RELATION
     )
@@ -110,6 +119,7 @@ def make_private_ftrl(
         settings,
         restart_every=k,
         tree=tree,
+        provenance=loader.provenance,
         loss_reduction=loss_reduction,
         noise=noise,
         boundary=boundary,

@@ -49,6 +49,8 @@ class Call:
     #: Whether the layer's parameters were switched off during this call (autograd then
     #: computed no ordinary gradient for them through this call).
     skipped: bool = False
+    #: The number of the loader batch in hand when the call ran (None: none, or not followed).
+    stamp: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -112,11 +114,18 @@ class Taps:
         self.active = True
         self.on_ready = on_ready  # called in backward once a one-output call has its gradient
         self.on_start = on_start  # called at the first watched forward call after a clear()
+        self.stamp: Callable[[], int | None] | None = None  # which loader batch is in hand
         self._fresh = True
         self._handles: list[RemovableHandle] = []
 
-    def attach(self) -> None:
-        """Register one forward pre-hook and one forward hook per watched layer."""
+    def attach(self, root: nn.Module | None = None) -> None:
+        """Register one forward pre-hook and one forward hook per watched layer.
+
+        ``root`` (the whole model) gets a pre-hook too, so that a step starts when the model's
+        forward does, before any code of its own runs ahead of the first watched layer.
+        """
+        if root is not None:
+            self._handles.append(root.register_forward_pre_hook(lambda *_: self._begin()))
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(partial(self._pre, tap)))
             self._handles.append(
@@ -149,12 +158,9 @@ class Taps:
         inputs) or none does (the outputs are then given a fresh autograd root in ``_post``, so
         backward stops there after handing us their gradients). Mixed inputs are left alone.
         """
+        self._begin()
         if not (self.active and torch.is_grad_enabled()):
             return
-        if self._fresh:
-            self._fresh = False
-            if self.on_start is not None:
-                self.on_start()
         if not tap.skip_param_grad:
             return
         needs = [x.requires_grad for x in args if isinstance(x, Tensor) and x.is_floating_point()]
@@ -166,6 +172,13 @@ class Taps:
                 param.requires_grad_(False)
                 tap.frozen.append(param)
         tap.reroot = bool(tap.frozen) and not any(needs)
+
+    def _begin(self) -> None:
+        """The first watched forward call since the last clear() starts a step."""
+        if self._fresh and self.active and torch.is_grad_enabled():
+            self._fresh = False
+            if self.on_start is not None:
+                self.on_start()
 
     def _post(self, tap: Tap, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Restore the parameters, keep the inputs, and hook the gradient of each output."""
@@ -189,6 +202,7 @@ class Taps:
             versions=tuple(x._version if isinstance(x, Tensor) else None for x in args),
             trainable=tap.trainable,
             skipped=skipped,
+            stamp=None if self.stamp is None else self.stamp(),
         )
         tap.calls.append(call)
         for j, out in enumerate(outputs):

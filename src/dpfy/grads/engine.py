@@ -109,17 +109,31 @@ class GradEngine:
         self._filling: dict[str, Into] = {}  # sums opened from noise this call, with their wait
         self.num_examples = 0  # examples accumulated since the last reset
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        self._versions_before: dict[str, int] = {}
         self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
         for tap in taps:
             if tap.module in WATCHED:
                 raise ValueError(
                     f"layer '{tap.name}' is already watched by another engine; detach() it first"
                 )
-        self._taps.attach()
+        self._taps.attach(model)
         WATCHED.update(tap.module for tap in taps)
         self._attached = True
 
     # ---------------------------------------------------------------- public API
+
+    def follow(self, batches: Callable[[], int | None]) -> None:
+        """Stamp every captured call with ``batches()``: the number of the loader batch in hand."""
+        self._taps.stamp = batches
+
+    def batch_stamps(self) -> set[int | None]:
+        """The stamps of the calls whose outputs got gradients since the last clip."""
+        return {
+            call.stamp
+            for tap in self._taps.take()
+            for call in tap.calls
+            if call.compact is not None or any(g is not None for g in call.grads)
+        }
 
     def clip_and_accumulate(
         self,
@@ -241,6 +255,10 @@ class GradEngine:
         self._summing = False
         self.num_examples = 0
 
+    def discard_captures(self) -> None:
+        """Drop what the hooks captured since the last clip, and the plain gradients with it."""
+        self._release()
+
     def detach(self) -> None:
         """Remove every hook and substitution: the model is exactly as before ``make_engine``."""
         if not self._attached:
@@ -339,6 +357,7 @@ class GradEngine:
 
     def _collect_calls(self) -> list[tuple[Tap, Call]]:
         """Calls whose outputs got gradients, checked; also catches parameters used unseen."""
+        self._check_no_writes()
         seen: list[tuple[Tap, Call]] = []
         for tap in self._taps.take():
             live = [
@@ -384,12 +403,44 @@ class GradEngine:
         return 1 if x.dim() >= sequence_ndim else 0
 
     def _note_grads(self) -> None:
-        """At the first watched forward call of a step: remember every ``p.grad`` as it is."""
+        """At the first watched forward call of a step: remember every ``p.grad`` as it is.
+
+        Also the version counter of every parameter and buffer of the model, so that a write
+        from the forward pass into the model's own state is seen (:meth:`_check_no_writes`).
+        """
+        self._versions_before = {
+            name: tensor._version for name, tensor in self._model_state() if tensor is not None
+        }
         self._grads_before = {  # weak: a noted gradient must not outlive its parameter's use
             id(p): (weakref.ref(p.grad), p.grad._version)
             for p in self.params.values()
             if p.grad is not None
         }
+
+    def _model_state(self) -> Iterable[tuple[str, Tensor | None]]:
+        """Every parameter and buffer of the model, frozen ones included."""
+        yield from self.model.named_parameters()
+        yield from self.model.named_buffers()
+
+    def _check_no_writes(self) -> None:
+        """Refuse a forward pass that wrote into the model's parameters or buffers.
+
+        Such a write (``nn.Embedding(max_norm=…)`` renormalising the rows looked up, running
+        statistics) depends on the private batch and reaches the released model without
+        clipping or noise.
+        """
+        if not self._versions_before:
+            return
+        for name, tensor in self._model_state():
+            before = self._versions_before.get(name)
+            if tensor is not None and before is not None and tensor._version != before:
+                raise RuntimeError(
+                    f"the forward pass modified '{name}' in place (a layer writing to its own "
+                    "parameters or buffers from the data, such as nn.Embedding(max_norm=...) or "
+                    "running statistics): that change reaches the model without clipping or "
+                    "noise. The step was refused, but the forward pass already changed the "
+                    "model: reload the last checkpoint and remove the write from the layer"
+                )
 
     def _grad_changed(self, param: nn.Parameter) -> bool:
         """Whether autograd wrote ``param.grad`` since the step's first watched forward call."""
@@ -431,7 +482,7 @@ class GradEngine:
         """Drop captured tensors and the non-private gradients of the backward pass."""
         self._taps.active = True
         self._taps.clear()
-        self._grads_before = {}
+        self._grads_before, self._versions_before = {}, {}
         for param in self.params.values():
             param.grad = None
 

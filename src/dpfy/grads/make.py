@@ -62,6 +62,33 @@ def fast_blocker(model: nn.Module) -> str | None:
     return None
 
 
+def _outermost_owners(model: nn.Module) -> dict[int, set[int]]:
+    """For each trainable parameter, the modules owning it that no other owner contains.
+
+    A parameter owned by a layer and by one of its sublayers too (Hugging Face's
+    ``BertLMPredictionHead.bias`` is ``decoder.bias``) is watched at the outer layer only: its
+    calls cover every use of the parameter inside, and watching both would count it twice.
+    Owners that are not nested (tied weights in two layers) each keep it.
+    """
+    paths: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for _, param in _trainable(module):
+            paths.setdefault(id(param), []).append((name, module))
+    return {
+        key: {
+            id(module)
+            for path, module in owners
+            if not any(_contains(other, path) for other, _ in owners if other != path)
+        }
+        for key, owners in paths.items()
+    }
+
+
+def _contains(outer: str, inner: str) -> bool:
+    """Whether the module at path ``inner`` lies inside the module at path ``outer``."""
+    return outer == "" or inner.startswith(outer + ".")
+
+
 def make_engine(
     model: nn.Module, engine: EngineChoice = "auto", *, batch_first: bool = True
 ) -> GradEngine:
@@ -99,8 +126,9 @@ def make_engine(
     substitutions = substitute(model)
     try:
         taps = []
+        outer = _outermost_owners(model)
         for name, module in model.named_modules():
-            own = _trainable(module)
+            own = [(n, p) for n, p in _trainable(module) if id(module) in outer[id(p)]]
             if not own:
                 continue
             rule = find_rule(module) if kind == "fast" else None

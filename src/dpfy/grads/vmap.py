@@ -23,6 +23,11 @@ from dpfy.grads.norms import sq_norm
 
 __all__ = ["VmapEngine", "per_example_grads", "weighted_grads"]
 
+#: How far (relatively, in norm) a gradient may stray from the sum of per-example gradients in
+#: float arithmetic; a use outside the watched calls moves it by its own contribution.
+_TOLERANCE = 1e-3
+_FLOOR = 1e-12
+
 
 def per_example_grads(tap: Tap, call: Call, batch_dim: int) -> dict[str, Tensor]:
     """Each example's gradient of the layer's own trainable parameters, (B, *shape) by name."""
@@ -107,6 +112,7 @@ class VmapEngine(GradEngine):
                 uses[name] = uses.get(name, 0) + 1
         total: Tensor | None = None
         shared: dict[str, Tensor] = {}
+        batch_sums: dict[str, Tensor] = {}
 
         def add(sq: Tensor) -> None:
             nonlocal total
@@ -115,15 +121,41 @@ class VmapEngine(GradEngine):
         for tap, call in calls:
             for local, grad in per_example_grads(tap, call, self.batch_dim(tap, call)).items():
                 name = self._names[id(getattr(tap.module, local))]
+                summed = grad.sum(0)
+                batch_sums[name] = batch_sums[name] + summed if name in batch_sums else summed
                 if uses[name] > 1:
                     shared[name] = shared[name] + grad if name in shared else grad
                 else:
                     add(sq_norm(units.sum_rows(grad).flatten(1), 1))
         for grad in shared.values():
             add(sq_norm(units.sum_rows(grad).flatten(1), 1))
+        self._check_complete(batch_sums)
         self._calls, self._units = list(calls), units
         assert total is not None
         return total
+
+    def _check_complete(self, batch_sums: dict[str, Tensor]) -> None:
+        """Refuse a parameter whose per-example gradients do not add up to its gradient.
+
+        Autograd's gradient of a parameter covers every use of it; the per-example gradients
+        cover its uses inside the watched layer calls. They differ when the parameter is also
+        used elsewhere (``F.linear(h, embedding.weight)``): its per-example gradient is unknown.
+        """
+        for name, param in self.params.items():
+            if not self._grad_changed(param):
+                continue
+            seen = batch_sums.get(name)
+            full = param.grad.detach().reshape(param.shape)
+            seen = torch.zeros_like(full) if seen is None else seen.reshape(full.shape)
+            gap = float((full - seen.to(full.dtype)).norm())
+            if gap > _TOLERANCE * max(float(full.norm()), float(seen.norm())) + _FLOOR:
+                raise RuntimeError(
+                    f"parameter '{name}' is also used outside the layer that owns it (its "
+                    "gradient is larger than the sum of its per-example gradients in that layer, "
+                    "e.g. a weight reused through torch.nn.functional); its per-example gradient "
+                    "is unknown. Use it only through its layer, or wrap the reuse in a module "
+                    "that owns the parameter"
+                )
 
     def _unit_weighted_sums(self, weights: Tensor) -> dict[str, Tensor]:
         """Σ_u w_u grad_u for every parameter: one scaled vjp per layer call."""

@@ -1,0 +1,135 @@
+"""Which batch the private sampler drew last: the record a private step checks its batch against.
+
+The accounting of a step assumes its batch is the one the run's sampler drew (Poisson at q, or
+the declared order), used for exactly one step. Nothing in the training loop may assume that:
+the loader *publishes* each batch it hands out as a :class:`DrawnBatch`, the engine stamps every
+captured layer call with the number of the batch current at forward time, and the optimizer
+refuses a step whose calls carry another stamp (a plain DataLoader's batch, two loader batches
+accumulated into one step, a batch stepped on twice) or whose example count differs from the
+drawn batch's (a hand-made slice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from dpfy._validate import check_count
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawnBatch:
+    """One batch as the loader handed it out: its number, size and clipping units.
+
+    ``number`` counts the batches this loader has drawn since the run began (across passes and
+    resumes). ``units`` holds one clipping-unit id per example, in batch order (user ids at user
+    level, microbatch slots with microbatch clipping), or None: each example is its own unit.
+    ``unit`` names what ``units`` holds ("example": nothing, "microbatch" or "user"), so that
+    an optimizer never clips units it does not account for. ``epoch_position`` is the batch's
+    0-based place in its epoch for samplers that take epochs in order (DP-FTRL's trees follow
+    it), else None.
+    """
+
+    number: int
+    size: int
+    units: torch.Tensor | None = None
+    epoch_position: int | None = None
+    unit: str = "example"
+
+
+class BatchRefused(ValueError):
+    """A step whose batch is not the one the private sampler drew; nothing was changed."""
+
+
+class Provenance:
+    """The loader → engine → optimizer record of drawn and stepped batches.
+
+    Invariant: ``stepped`` is the number of batches a private step consumed, which equals the
+    number of training steps in the run's ledger (both advance together in the optimizer); a
+    checkpoint stores both, so a ledger that does not belong with the sampler state is refused.
+    """
+
+    def __init__(self) -> None:
+        self.current: DrawnBatch | None = None
+        self.drawn = 0  # batches handed out since the run began
+        self.stepped = 0  # batches consumed by a completed private step
+        self._consumed: int | None = None  # number of the last batch stepped on
+
+    def publish(
+        self,
+        size: int,
+        units: torch.Tensor | None = None,
+        epoch_position: int | None = None,
+        unit: str = "example",
+    ) -> DrawnBatch:
+        """The loader hands out a new batch: it becomes the only one a step may use."""
+        self.current = DrawnBatch(self.drawn, size, units, epoch_position, unit)
+        self.drawn += 1
+        return self.current
+
+    def reorder(self, order: torch.Tensor) -> torch.Tensor:
+        """The batch in hand was permuted by ``order`` (virtual batching): permute its units."""
+        batch = self.current
+        if batch is None or batch.units is None:
+            raise RuntimeError("no batch with clipping units is in hand to reorder")
+        self.current = dataclasses.replace(batch, units=batch.units[order])
+        return self.current.units
+
+    def stamp(self) -> int | None:
+        """The number a layer call captured now is stamped with (None: no batch drawn yet)."""
+        return None if self.current is None else self.current.number
+
+    def check(self, stamps: set[int | None]) -> DrawnBatch:
+        """The batch this step uses, after refusing every other origin of its layer calls."""
+        batch = self.current
+        if batch is None or None in stamps:
+            raise BatchRefused(
+                "this step's batch was not drawn by the run's private loader, so its sampling "
+                "is not what the ledger accounts; draw batches with `for batch in "
+                "private.loader:` (one loader batch per step)"
+            )
+        if batch.number == self._consumed:
+            raise BatchRefused(
+                "this batch was already used for a step; each step needs a fresh batch from the "
+                "private loader (a batch stepped on twice is accounted once but released twice)"
+            )
+        if stamps - {batch.number}:
+            raise BatchRefused(
+                "this step holds gradients of more than one loader batch (gradient accumulation "
+                "by hand); one step is one sampled batch: to split a batch over memory, pass "
+                "max_physical_batch_size to make_private instead"
+            )
+        return batch
+
+    def check_size(self, batch: DrawnBatch, examples: int) -> None:
+        """The examples the engine clipped must be the drawn batch, all of it and nothing else."""
+        if examples != batch.size:
+            raise BatchRefused(
+                f"the step clipped {examples} examples but the private loader drew a batch of "
+                f"{batch.size}; pass each loader batch to the model whole and unchanged (to "
+                "split a batch over memory, pass max_physical_batch_size to make_private)"
+            )
+
+    def consume(self, batch: DrawnBatch) -> None:
+        """A private step completed on ``batch``: it can never be stepped on again."""
+        self._consumed = batch.number
+        self.stepped += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters a checkpoint binds the ledger to."""
+        return {"drawn": self.drawn, "stepped": self.stepped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the counters; the batch in hand (if any) is forgotten, not re-used."""
+        if not isinstance(state, dict) or not all(
+            isinstance(state.get(key), int) for key in ("drawn", "stepped")
+        ):
+            raise ValueError("the loader state holds no batch counters (drawn, stepped)")
+        drawn = check_count("drawn", state["drawn"])
+        stepped = check_count("stepped", state["stepped"])
+        if stepped > drawn:
+            raise ValueError(f"{stepped} batches stepped but only {drawn} drawn")
+        self.drawn, self.stepped = drawn, stepped
+        self.current, self._consumed = None, None
