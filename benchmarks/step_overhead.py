@@ -168,6 +168,7 @@ def _dpfy_step(
 
     ``dpfy_fast_nonoise`` drives the engine alone (clip, sum at 1/B, SGD) to show its own cost.
     """
+    from dpfy.data.provenance import Provenance
     from dpfy.data.records import SamplingKind, SamplingRecord
     from dpfy.grads import make_engine
     from dpfy.ledger import PrivacyLedger
@@ -189,9 +190,13 @@ def _dpfy_step(
         return engine_step
     ledger = PrivacyLedger(1e-5)
     sampling = SamplingRecord(SamplingKind.POISSON, 0.01, 100_000)
-    private = DPOptimizer(optimizer, engine, ledger, sampling, NoiseSettings(1.0, 1.0, 256))
+    batches = Provenance()  # the benchmark is its own loader: it publishes each batch it feeds
+    private = DPOptimizer(
+        optimizer, engine, ledger, sampling, NoiseSettings(1.0, 1.0, 256), provenance=batches
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        batches.publish(x.shape[0])
         private.zero_grad()
         criterion(model(x), y).backward()
         private.step()

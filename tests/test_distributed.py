@@ -274,6 +274,7 @@ def replay_union(ranks: list[dict[str, Any]], config: str) -> dpfy.PrivateTraini
     for step_index in range(ranks[0][config]["steps"]):
         x = torch.cat([r[config]["batches"][step_index][0] for r in ranks])
         y = torch.cat([r[config]["batches"][step_index][1] for r in ranks])
+        single.loader.provenance.publish(len(x))  # the ranks' union is the step's Poisson batch
         step(single, x, y)
     return single
 

@@ -20,6 +20,7 @@ from dpfy.accounting import make_accountant
 from dpfy.accounting.accountant import UnsupportedEventError
 from dpfy.accounting.events import GaussianEvent, NeighbouringRelation, TreeAggregationEvent
 from dpfy.accounting.rdp import RdpAccountant, rdp_curve
+from dpfy.data.provenance import Provenance
 from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.ftrl import (
     DPFTRLOptimizer,
@@ -502,10 +503,10 @@ def test_target_epsilon_is_met_and_the_budget_guard_refuses_the_next_node():
     train(private)
     assert private.ledger.epsilon() <= 2.0
     assert private.ledger.epsilon() > 2.0 * 0.99  # calibrated, not wasteful
-    x, y = tiny_data().tensors
+    x, y = next(iter(private.loader))  # the next epoch's first batch
     before = copy.deepcopy(private.model.state_dict())
     private.optimizer.zero_grad()
-    nn.functional.cross_entropy(private.model(x[:8]), y[:8]).backward()
+    nn.functional.cross_entropy(private.model(x), y).backward()
     with pytest.raises(BudgetExhausted):
         private.optimizer.step()  # epoch position 1 would release a new node
     after = private.model.state_dict()
@@ -610,7 +611,7 @@ def test_optimizer_refuses_a_poisson_record():
     with pytest.raises(ValueError, match="no sampling"):
         DPFTRLOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), engine, ledger, record,
-            NoiseSettings(1.0, 1.0, 8),
+            NoiseSettings(1.0, 1.0, 8), provenance=Provenance(),
         )  # fmt: skip
     engine.detach()
 
@@ -672,7 +673,7 @@ def test_optimizer_refuses_an_add_or_remove_ledger():
     with pytest.raises(ValueError, match="zero-out"):
         DPFTRLOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), engine, PrivacyLedger(1e-3), record,
-            NoiseSettings(1.0, 1.0, 8),
+            NoiseSettings(1.0, 1.0, 8), provenance=Provenance(),
         )  # fmt: skip
     engine.detach()
 

@@ -451,6 +451,7 @@ def test_the_head_starts_as_the_product_of_the_layer_before_the_tail_begins(monk
     spy(NoiseAhead, "fill", lambda _, out, std, name=None: f"fill {name}")
     private = seeded_run(width=4096, inputs=64)
     x, y = torch.randn(10, 64), torch.randint(0, 3, (10,))
+    private.loader.provenance.publish(len(x))  # a batch of the right size, as the loader would
     private.optimizer.zero_grad()
     nn.functional.cross_entropy(private.model(x), y).backward()
     private.optimizer.step()

@@ -230,7 +230,7 @@ def test_update_is_the_sum_of_clipped_user_means_over_expected_users():
         max_examples_per_user=4, seed=2,
     )  # fmt: skip
     for x, y in private.loader:
-        batch_users = private.loader.groups.current.clone()
+        batch_users = private.loader.provenance.current.units.clone()
         private.optimizer.zero_grad()
         nn.CrossEntropyLoss()(private.model(x), y).backward()
         private.optimizer.step()
@@ -411,7 +411,7 @@ def test_optimizer_outside_the_user_loader_is_refused():
     private = make()
     x, y = private.loader.user_dataset.tensors
     nn.CrossEntropyLoss()(private.model(x[:4]), y[:4]).backward()
-    with pytest.raises(RuntimeError, match=r"private\.loader"):
+    with pytest.raises(ValueError, match=r"private\.loader"):
         private.optimizer.step()
     assert private.ledger.steps == 0
 
