@@ -149,12 +149,14 @@ class GradEngine:
 
         Call once after each ``loss.backward()``. ``loss_reduction`` says how the loss combined
         the examples: ``"mean"`` (loss = (1/n) Σ ℓᵢ) or ``"sum"``. With ``microbatch_size=k``,
-        groups of k consecutive examples are averaged and the *average* is clipped (guide alg. 3;
-        its sensitivity is 2C, the optimizer must add noise accordingly); a last, smaller group
-        is averaged over its own size. With ``groups`` (an integer tensor, one id per example,
-        any order and sizes) each group's *average* gradient is clipped instead — e.g. one group
-        per user for user-level DP-SGD (McMahan et al. 2018), where the whole group is the unit
-        of privacy and the sensitivity stays C. Afterwards every trainable ``p.grad`` is None: the
+        groups of k consecutive examples are averaged and the *average* is clipped; a last,
+        smaller group is averaged over its own size. Consecutive groups shift when one example
+        is added, so they carry no sensitivity bound: the private optimizer passes each
+        example's independently drawn microbatch as ``groups`` instead (guide alg. 3, 2C).
+        With ``groups`` (an integer tensor, one id per example, any order and sizes) each
+        group's *average* gradient is clipped instead — e.g. one group per user for user-level
+        DP-SGD (McMahan et al. 2018), where the whole group is the unit of privacy and the
+        sensitivity stays C. Afterwards every trainable ``p.grad`` is None: the
         non-private gradient of the backward pass is discarded so it cannot be used by accident.
         An empty batch (or no backward since the last call) adds nothing and reports 0 examples.
         ``noise`` (last physical batch of a logical batch only) starts the named parameters'
