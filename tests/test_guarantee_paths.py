@@ -254,6 +254,27 @@ def test_a_layer_writing_to_its_parameters_in_forward_is_refused(engine):
     assert private.ledger.steps == 0
 
 
+class RunningMean(nn.Module):
+    """Keeps an un-noised running mean of its inputs in a buffer, rebound in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 3)
+        self.register_buffer("mean", torch.zeros(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return self.linear(x - self.mean)
+
+
+def test_a_layer_rebinding_its_buffer_from_the_data_in_forward_is_refused():
+    private = private_run(RunningMean())
+    backward(private, next(iter(private.loader)))
+    with pytest.raises(RuntimeError, match="modified 'mean'"):
+        private.optimizer.step()
+    assert private.ledger.steps == 0
+
+
 # -- 6. DP-FTRL steps follow the loader's epochs ----------------------------------------------
 
 

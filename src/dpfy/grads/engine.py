@@ -109,7 +109,8 @@ class GradEngine:
         self._filling: dict[str, Into] = {}  # sums opened from noise this call, with their wait
         self.num_examples = 0  # examples accumulated since the last reset
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
-        self._versions_before: dict[str, int] = {}
+        self._state_before: list[tuple[int, int]] = []
+        self._modules = list(model.modules())  # whose parameters and buffers no forward may write
         self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
         for tap in taps:
             if tap.module in WATCHED:
@@ -410,19 +411,26 @@ class GradEngine:
         Also the version counter of every parameter and buffer of the model, so that a write
         from the forward pass into the model's own state is seen (:meth:`_check_no_writes`).
         """
-        self._versions_before = {
-            name: tensor._version for name, tensor in self._model_state() if tensor is not None
-        }
+        self._state_before = self._state_versions()
         self._grads_before = {  # weak: a noted gradient must not outlive its parameter's use
             id(p): (weakref.ref(p.grad), p.grad._version)
             for p in self.params.values()
             if p.grad is not None
         }
 
-    def _model_state(self) -> Iterable[tuple[str, Tensor | None]]:
-        """Every parameter and buffer of the model, frozen ones included."""
-        yield from self.model.named_parameters()
-        yield from self.model.named_buffers()
+    def _state_versions(self) -> list[tuple[int, int]]:
+        """(identity, version) of every parameter and buffer of the model, frozen ones included.
+
+        Read from the modules' own dicts: a write in place bumps the version, a rebinding
+        (``self.buffer = f(x)``) changes the identity.
+        """
+        return [
+            (id(tensor), tensor._version)
+            for module in self._modules
+            for tensors in (module._parameters, module._buffers)
+            for tensor in tensors.values()
+            if tensor is not None
+        ]
 
     def _check_no_writes(self) -> None:
         """Refuse a forward pass that wrote into the model's parameters or buffers.
@@ -431,18 +439,18 @@ class GradEngine:
         statistics) depends on the private batch and reaches the released model without
         clipping or noise.
         """
-        if not self._versions_before:
+        if not self._state_before or self._state_versions() == self._state_before:
             return
-        for name, tensor in self._model_state():
-            before = self._versions_before.get(name)
-            if tensor is not None and before is not None and tensor._version != before:
-                raise RuntimeError(
-                    f"the forward pass modified '{name}' in place (a layer writing to its own "
-                    "parameters or buffers from the data, such as nn.Embedding(max_norm=...) or "
-                    "running statistics): that change reaches the model without clipping or "
-                    "noise. The step was refused, but the forward pass already changed the "
-                    "model: reload the last checkpoint and remove the write from the layer"
-                )
+        before = dict(self._state_before)
+        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        changed = [name for name, t in named if before.get(id(t)) != t._version] or ["a buffer"]
+        raise RuntimeError(
+            f"the forward pass modified '{changed[0]}' in place (a layer writing to its own "
+            "parameters or buffers from the data, such as nn.Embedding(max_norm=...) or running "
+            "statistics): that change reaches the model without clipping or noise. The step was "
+            "refused, but the forward pass already changed the model: reload the last checkpoint "
+            "and remove the write from the layer"
+        )
 
     def _grad_changed(self, param: nn.Parameter) -> bool:
         """Whether autograd wrote ``param.grad`` since the step's first watched forward call."""
@@ -484,7 +492,7 @@ class GradEngine:
         """Drop captured tensors and the non-private gradients of the backward pass."""
         self._taps.active = True
         self._taps.clear()
-        self._grads_before, self._versions_before = {}, {}
+        self._grads_before, self._state_before = {}, []
         for param in self.params.values():
             param.grad = None
 
