@@ -66,6 +66,8 @@ class FastEngine(GradEngine):
         if call.stale_input() or len(tap.calls) > 1:
             return  # clip_and_accumulate reports these
         prepared = prepare_call(call, self.batch_dim(tap, call))
+        if prepared.batch_size == 0:
+            return  # an empty batch: nothing to reduce, and the step adds nothing but noise
         grads = rule.per_example_grads(tap.module, prepared)
         if grads is None:
             return

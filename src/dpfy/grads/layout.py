@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import Tensor
@@ -139,8 +140,11 @@ def group_positions(x: Tensor, group: int) -> Tensor:
 
 
 def flatten_positions(x: Tensor) -> Tensor:
-    """(B, *, d) → (B, T, d): every middle dim is a position (a 2-D input gets T = 1)."""
-    return x.reshape(x.shape[0], -1, x.shape[-1])
+    """(B, *, d) → (B, T, d): every middle dim is a position (a 2-D input gets T = 1).
+
+    T comes from the shape, not ``-1``: with B = 0 a reshape could not infer it.
+    """
+    return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
 
 #: Large per-example reductions run over this many slices of the batch, so that their

@@ -1,4 +1,4 @@
-"""Exact, reversible substitution of layers the engines cannot watch as they are.
+"""Exact, reversible substitution of layers the engines cannot watch or run as they are.
 
 ``nn.MultiheadAttention`` uses its ``out_proj`` and packed input projection through a functional
 call, so hooks never see them. While an engine is attached it is replaced by
@@ -6,6 +6,12 @@ call, so hooks never see them. While an engine is attached it is replaced by
 (:class:`InProjection`, holding the *same* ``Parameter`` objects) and the original ``out_proj``
 module. Parameter identity is kept, so optimizers built before or after stay valid; ``restore``
 puts the original module back.
+
+``nn.InstanceNorm1d/2d/3d`` raise on an empty batch (torch's ``instance_norm`` kernel), which
+Poisson sampling draws now and then and DP-SGD must still step on (noise only). While attached,
+such a layer's class is swapped in place for :class:`EmptyBatchInstanceNorm2d` (and 1d, 3d): a
+subclass that also takes an empty batch and otherwise runs the very same forward. The object,
+its parameters, buffers, hooks and state-dict keys stay as they are; ``restore`` swaps it back.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from torch import Tensor, nn
 
 __all__ = [
     "DPMultiheadAttention",
+    "EmptyBatchInstanceNorm1d",
+    "EmptyBatchInstanceNorm2d",
+    "EmptyBatchInstanceNorm3d",
     "InProjection",
     "Substitution",
     "restore",
@@ -66,6 +75,37 @@ class InProjection(nn.Module):
             return tuple(F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, -1))
         (wq, wk, wv), (bq, bk, bv) = self.weights(), self.biases()
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+
+class _TakesEmptyBatch(nn.Module):
+    """InstanceNorm forward that also takes an empty batch (torch's kernel indexes example 0)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        """An empty batch: group norm with one channel per group (instance norm, no rows)."""
+        if input.dim() == self._get_no_batch_dim() + 1 and input.shape[0] == 0:
+            return F.group_norm(input, input.shape[1], self.weight, self.bias, self.eps)
+        return super().forward(input)
+
+
+class EmptyBatchInstanceNorm1d(_TakesEmptyBatch, nn.InstanceNorm1d):
+    """``nn.InstanceNorm1d`` that takes an empty batch; swapped in while an engine is attached."""
+
+
+class EmptyBatchInstanceNorm2d(_TakesEmptyBatch, nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` that takes an empty batch; swapped in while an engine is attached."""
+
+
+class EmptyBatchInstanceNorm3d(_TakesEmptyBatch, nn.InstanceNorm3d):
+    """``nn.InstanceNorm3d`` that takes an empty batch; swapped in while an engine is attached."""
+
+
+#: Layer classes swapped in place for their empty-batch-safe subclass (exact types only: a user
+#: subclass may override forward, and is left alone).
+_EMPTY_BATCH_SAFE: dict[type[nn.Module], type[nn.Module]] = {
+    nn.InstanceNorm1d: EmptyBatchInstanceNorm1d,
+    nn.InstanceNorm2d: EmptyBatchInstanceNorm2d,
+    nn.InstanceNorm3d: EmptyBatchInstanceNorm3d,
+}
 
 
 def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -241,15 +281,24 @@ def is_substitutable(module: nn.Module) -> bool:
 
 @dataclasses.dataclass
 class Substitution:
-    """One replaced child: where it sat and the original module to put back."""
+    """One change to undo, so that detaching leaves the user's model exactly as it was.
 
-    parent: nn.Module
+    A replaced child: where it sat and the original module to put back. With
+    ``original_class``: ``original`` had its class swapped in place (``parent`` is None).
+    """
+
+    parent: nn.Module | None
     name: str
     original: nn.Module
+    original_class: type[nn.Module] | None = None
 
 
 def substitute(model: nn.Module) -> list[Substitution]:
-    """Replace every substitutable attention module in ``model`` (in place; see ``restore``)."""
+    """Make ``model`` watchable and runnable on any batch, in place (see ``restore``).
+
+    Replaces every substitutable attention module, and swaps the class of every layer that
+    cannot take an empty batch for its subclass that can.
+    """
     replaced: dict[int, nn.Module] = {}
     done: list[Substitution] = []
     for parent in list(model.modules()):
@@ -260,12 +309,21 @@ def substitute(model: nn.Module) -> list[Substitution]:
                 replaced[id(child)] = DPMultiheadAttention(child)
             parent._modules[name] = replaced[id(child)]
             done.append(Substitution(parent, name, child))
+    for module in model.modules():  # each module once, the model itself included
+        safe = _EMPTY_BATCH_SAFE.get(type(module))
+        if safe is not None:
+            done.append(Substitution(None, "", module, type(module)))
+            module.__class__ = safe
     return done
 
 
 def restore(substitutions: list[Substitution]) -> None:
     """Put every original module back where ``substitute`` took it from."""
     for sub in reversed(substitutions):
+        if sub.original_class is not None:
+            sub.original.__class__ = sub.original_class
+            continue
+        assert sub.parent is not None
         current = sub.parent._modules[sub.name]
         sub.original.train(current.training)
         sub.parent._modules[sub.name] = sub.original

@@ -15,6 +15,8 @@ gradient is Σ_t g_t a_tᵀ per group. Two exact routes, chosen by the ``_biline
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -66,6 +68,8 @@ def _per_example_weight_grads(layer: nn.Module, call: Call) -> Rows:
     returned as they are (:class:`Rows`), not joined.
     """
     x, g = call.inputs[0], call.grads[0]
+    if x.shape[0] == 0:  # no examples: no rows (a convolution of zero groups is refused)
+        return Rows((x.new_zeros((0, layer.weight.numel())),))
     parts = []
     for part in batch_slices(x):
         xs, gs = x[part], g[part]
@@ -95,8 +99,9 @@ def _patches_and_grads(layer: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
     batch, groups = x.shape[0], layer.groups
     cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C·k, T)
     positions = cols.shape[-1]
-    a = cols.reshape(batch, groups, -1, positions).transpose(2, 3)  # (B, G, T, d_g)
-    g = call.grads[0].reshape(batch, groups, -1, positions).transpose(2, 3)  # (B, G, T, p_g)
+    d_g, p_g = cols.shape[1] // groups, layer.out_channels // groups  # explicit: B may be 0
+    a = cols.reshape(batch, groups, d_g, positions).transpose(2, 3)  # (B, G, T, d_g)
+    g = call.grads[0].reshape(batch, groups, p_g, positions).transpose(2, 3)  # (B, G, T, p_g)
     if call.group > 1:  # merge each microbatch's positions: (B, G, T, ·) → (U, G, k·T, ·)
         a = group_positions(a.transpose(1, 2), call.group).transpose(1, 2)
         g = group_positions(g.transpose(1, 2), call.group).transpose(1, 2)
@@ -105,14 +110,14 @@ def _patches_and_grads(layer: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
 
 def _ghost(layer: nn.Module, call: Call) -> bool:
     """Whether the ghost route is cheaper for this layer's shapes."""
-    positions = call.grads[0][0, 0].numel()
+    positions = math.prod(call.grads[0].shape[2:])  # from the shape: the batch may be empty
     d_in = layer.weight[0].numel()
     return use_ghost(positions * call.group, d_in, layer.weight.shape[0] // layer.groups)
 
 
 def _per_unit(x: Tensor, group: int) -> Tensor:
     """(B, F) per-example rows → (U, F) sums of ``group`` consecutive rows."""
-    return x if group == 1 else x.reshape(-1, group, x.shape[1]).sum(1)
+    return x if group == 1 else x.reshape(x.shape[0] // group, group, x.shape[1]).sum(1)
 
 
 @register_rule(nn.Conv1d, nn.Conv2d)

@@ -7,6 +7,7 @@ A unit's weight gradient has row v equal to Σ_{t: idx_t = v} g_t, so its square
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -19,8 +20,9 @@ from dpfy.grads.registry import Into, LayerRule, register_rule
 
 def _indices_and_grads(layer: nn.Embedding, call: Call) -> tuple[Tensor, Tensor]:
     """Indices (U, T) and output gradients (U, T, d), padding positions' gradients zeroed."""
-    idx = call.inputs[0].reshape(call.inputs[0].shape[0], -1)
-    g = call.grads[0].reshape(idx.shape[0], idx.shape[1], -1)
+    x = call.inputs[0]
+    idx = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # explicit sizes: the batch may be empty
+    g = call.grads[0].reshape(idx.shape[0], idx.shape[1], layer.embedding_dim)
     if layer.padding_idx is not None:
         g = g * (idx != layer.padding_idx).unsqueeze(-1).to(g.dtype)
     return group_positions(idx, call.group), group_positions(g, call.group)

@@ -1,4 +1,4 @@
-"""Rules for the per-example normalisation layers LayerNorm, GroupNorm and RMSNorm.
+"""Rules for the per-example normalisation layers LayerNorm, GroupNorm, RMSNorm, InstanceNorm.
 
 Their elementwise affine parameters have per-unit gradients Σ_positions g ⊙ x̂ (weight) and
 Σ_positions g (bias), where x̂ is the normalised input. These are the size of one feature vector
@@ -18,11 +18,26 @@ from dpfy.grads.capture import Call
 from dpfy.grads.layout import batch_slices
 from dpfy.grads.norms import sq_norm
 from dpfy.grads.registry import LayerRule, register_rule
+from dpfy.grads.substitutions import (
+    EmptyBatchInstanceNorm1d,
+    EmptyBatchInstanceNorm2d,
+    EmptyBatchInstanceNorm3d,
+)
 
 
 def _per_unit(x: Tensor, group: int) -> Tensor:
     """(B, F) per-example gradients → (U, F) per-unit sums of ``group`` consecutive examples."""
-    return x if group == 1 else x.reshape(-1, group, x.shape[1]).sum(1)
+    return x if group == 1 else x.reshape(x.shape[0] // group, group, x.shape[1]).sum(1)
+
+
+def _positions_last(t: Tensor, size: int) -> Tensor:
+    """(b, *, *normalized_shape) → (b, positions, size); explicit sizes, so b = 0 works too."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]) // size, size)
+
+
+def _channels_last(t: Tensor, channels: int) -> Tensor:
+    """(b, C, *spatial) → (b, positions, C); explicit sizes, so b = 0 works too."""
+    return t.reshape(t.shape[0], channels, math.prod(t.shape[2:])).transpose(1, 2)
 
 
 def _affine_grads(
@@ -86,7 +101,7 @@ class LayerNormRule(_AffineRule):
         return _affine_grads(
             call,
             lambda x: F.layer_norm(x, layer.normalized_shape, eps=layer.eps),
-            lambda t: t.reshape(t.shape[0], -1, size),
+            lambda t: _positions_last(t, size),
         )
 
 
@@ -101,7 +116,7 @@ class RMSNormRule(_AffineRule):
         return _affine_grads(
             call,
             lambda x: F.rms_norm(x, layer.normalized_shape, eps=layer.eps),
-            lambda t: t.reshape(t.shape[0], -1, size),
+            lambda t: _positions_last(t, size),
         )
 
 
@@ -118,5 +133,41 @@ class GroupNormRule(_AffineRule):
         return _affine_grads(
             call,
             lambda x: F.group_norm(x, layer.num_groups, eps=layer.eps),
-            lambda t: t.reshape(t.shape[0], channels, -1).transpose(1, 2),
+            lambda t: _channels_last(t, channels),
+        )
+
+
+@register_rule(
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    # the classes they are swapped for while attached (see dpfy.grads.substitutions)
+    EmptyBatchInstanceNorm1d,
+    EmptyBatchInstanceNorm2d,
+    EmptyBatchInstanceNorm3d,
+)
+class InstanceNormRule(_AffineRule):
+    """InstanceNorm (affine, no running statistics): GroupNorm with one channel per group."""
+
+    channels_first = True
+
+    @staticmethod
+    def unsupported_reason(layer: nn.Module) -> str | None:
+        """Running statistics are averages over private batches, outside clipping and noise."""
+        if layer.track_running_stats:
+            return "track_running_stats=True averages private batches (dpfy.fix drops it)"
+        return None
+
+    @staticmethod
+    def unit_grads(layer: nn.Module, call: Call) -> dict[str, Tensor]:
+        """Per-unit Σ_spatial g ⊙ x̂ and Σ_spatial g per channel.
+
+        x̂ comes from ``group_norm`` with C groups, the same statistics (per example and
+        channel, biased variance): torch's ``instance_norm`` raises on an empty batch.
+        """
+        channels = call.inputs[0].shape[1]
+        return _affine_grads(
+            call,
+            lambda x: F.group_norm(x, channels, eps=layer.eps),
+            lambda t: _channels_last(t, channels),
         )
