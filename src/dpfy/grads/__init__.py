@@ -85,7 +85,8 @@ Engines
     releasing activations early. Rules: ``nn.Linear`` (any leading dims), ``nn.Conv1d``,
     ``nn.Conv2d`` (stride, padding incl. "same" and non-zero modes, dilation, groups),
     ``nn.Embedding`` (``padding_idx``; not ``scale_grad_by_freq``), ``nn.LayerNorm``,
-    ``nn.GroupNorm``, ``nn.RMSNorm``, and attention's input projection. ``nn.MultiheadAttention`` is
+    ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm1d/2d/3d`` (affine, no running statistics),
+    and attention's input projection. ``nn.MultiheadAttention`` is
     replaced while attached by :class:`~dpfy.grads.substitutions.DPMultiheadAttention`, an exact
     equivalent built from hookable projections holding the *same* Parameters, so
     ``nn.TransformerEncoder`` runs on the fast engine (``add_bias_kv`` is not supported). A layer
