@@ -67,6 +67,15 @@ def _user_errors() -> Iterator[None]:
                 typer.echo(f"warning: {warning.message}", err=True)
 
 
+def _out_dir(out: str | None) -> Path | None:
+    """``--out ""`` would mean the working directory: refused, never guessed."""
+    if out is None:
+        return None
+    if not out.strip():
+        raise ValueError("--out is empty; pass a directory for the run, or omit --out")
+    return Path(out)
+
+
 def _finite(value: float) -> float | None:
     """JSON has no infinity: an unbounded ε is printed as null."""
     return value if math.isfinite(value) else None
@@ -179,6 +188,7 @@ _SEED_HELP = (
     "Seed sampling and noise too, for reproducible experiments (the report then flags the run: "
     "whoever knows the seed can replay the noise). Default: OS entropy; init and splits use 0."
 )
+_OUT_HELP = "Run directory: new or empty, never shared (default: a fresh runs/…)."
 
 
 @app.command()
@@ -196,7 +206,7 @@ def train(
     max_grad_norm: Annotated[float, typer.Option(help="Clip norm C.")] = _TRAIN.max_grad_norm,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = _TRAIN.lr,
     optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
-    out: Annotated[Path | None, typer.Option(help="Run directory (default: runs/…).")] = None,
+    out: Annotated[str | None, typer.Option(help=_OUT_HELP)] = None,
     seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _TRAIN.seed,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also train non-privately.")] = False,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
@@ -225,7 +235,7 @@ def train(
         config = TrainConfig(
             dataset=dataset, model=model, target_epsilon=target_epsilon, delta=delta,
             epochs=epochs, batch_size=batch_size, max_grad_norm=max_grad_norm, lr=lr,
-            optimizer=optimizer.value, out=out, seed=seed, baseline=baseline,
+            optimizer=optimizer.value, out=_out_dir(out), seed=seed, baseline=baseline,
             data_dir=data_dir, engine=engine, unit=unit.value, users=users,
             max_examples_per_user=max_user_examples, algorithm=algorithm,
         )  # fmt: skip
@@ -292,7 +302,9 @@ def tune(
     trial_epochs: Annotated[float, typer.Option(help="Epochs of each tuning trial.")] = 2,
     optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
     lr: Annotated[float, typer.Option(help="Learning rate (ClipSearch, the default).")] = 0.01,
-    out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
+    out: Annotated[
+        str | None, typer.Option(help="Output directory: new or empty (default: runs/tune-…).")
+    ] = None,
     seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
 ) -> None:
@@ -304,8 +316,8 @@ def tune(
             dataset=dataset, search=search, trials=trials, accounting=tuning_accounting,
             public_data=public_data, distribution=distribution, clip_grid=clip_grid,
             lr_grid=lr_grid, tolerance=tolerance, target_epsilon=target_epsilon, epochs=epochs,
-            trial_epochs=trial_epochs, optimizer=optimizer.value, lr=lr, out=out, seed=seed,
-            data_dir=data_dir,
+            trial_epochs=trial_epochs, optimizer=optimizer.value, lr=lr, out=_out_dir(out),
+            seed=seed, data_dir=data_dir,
         )  # fmt: skip
 
 
@@ -345,7 +357,7 @@ def federated(
     ] = _FED.target_epsilon,
     delta: Annotated[float | None, typer.Option(help="δ; default ≥ 10× below 1/users.")] = None,
     seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _FED.seed,
-    out: Annotated[Path | None, typer.Option(help="Run directory (default: runs/…).")] = None,
+    out: Annotated[str | None, typer.Option(help=_OUT_HELP)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
 ) -> None:
     """Train with DP-FedAvg over simulated users (user-level DP) and write the report card."""
@@ -357,7 +369,8 @@ def federated(
             clients_per_round=clients_per_round, rounds=rounds, local_steps=local_steps,
             local_batch_size=local_batch_size, client_lr=client_lr, server_lr=server_lr,
             server_optimizer=server_optimizer, clip_norm=clip_norm,
-            target_epsilon=target_epsilon, delta=delta, seed=seed, out=out, data_dir=data_dir,
+            target_epsilon=target_epsilon, delta=delta, seed=seed, out=_out_dir(out),
+            data_dir=data_dir,
         )  # fmt: skip
 
 

@@ -47,22 +47,38 @@ class FederatedResult:
 
 
 def default_run_dir(config: FederatedConfig) -> Path:
-    """runs/federated-<dataset>-<users>u-eps<ε>-<time>."""
+    """runs/federated-<dataset>-<users>u-eps<ε>-<time>: the name when --out is not given."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"federated-{config.dataset}-{config.users}u-eps{config.target_epsilon:g}-{stamp}"
     return Path("runs") / name
 
 
 def run_federated(config: FederatedConfig, console: Console | None = None) -> FederatedResult:
-    """Split, calibrate, train with DP-FedAvg, evaluate, and write the run directory."""
-    from dpfy.report import write_report
-    from dpfy.trainer import accuracy, prepare_run_dir
+    """Split, calibrate, train with DP-FedAvg, evaluate, and write the run directory.
+
+    The directory is claimed first (new or empty, never shared: :func:`dpfy.trainer.claim_run_dir`)
+    and released again if the run fails before writing into it.
+    """
+    from dpfy.trainer import claim_run_dir, release_run_dir
 
     console = console or Console()
     delta = config.resolved_delta()
     if not 0 < delta < 1:
         raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
-    run_dir = prepare_run_dir(config.out or default_run_dir(config))
+    run_dir = claim_run_dir(config.out, default_run_dir(config))
+    try:
+        return _federate_into(run_dir, config, delta, console)
+    finally:
+        release_run_dir(run_dir)
+
+
+def _federate_into(
+    run_dir: Path, config: FederatedConfig, delta: float, console: Console
+) -> FederatedResult:
+    """The run itself, writing into the claimed ``run_dir``."""
+    from dpfy.report import write_report
+    from dpfy.trainer import accuracy
+
     started = time.perf_counter()
     data = load_dataset(config.dataset, data_dir=config.data_dir)
     labels = data.train.tensors[1]

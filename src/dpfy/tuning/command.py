@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,13 @@ def tune_command(
     seed: int = 0,
     data_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Validate everything before loading data, run the tuning, print a summary table."""
+    """Validate everything before loading data, run the tuning, print a summary table.
+
+    The output directory is claimed like a training run's (new or empty, never shared; a fresh
+    runs/tune-… one by default) and left as it was if the tuning fails before writing into it.
+    """
+    from dpfy.trainer import fresh_run_dir, release_run_dir
+
     config = TuneConfig(
         dataset=dataset, search=search, trials=trials, accounting=accounting,
         public_data=public_data, distribution=distribution, clip_grid=parse_grid(clip_grid),
@@ -45,8 +53,14 @@ def tune_command(
         data_dir=data_dir,
     )  # fmt: skip
     check_tune_config(config)
+    if config.out is None:  # a unique directory, so two runs started together never share one
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        config = replace(config, out=fresh_run_dir(Path("runs") / f"tune-{dataset}-{stamp}"))
     console = Console()
-    result = run_tuning(config, console)
+    try:
+        result = run_tuning(config, console)
+    finally:
+        release_run_dir(config.out)
     summary = result.summary
     final, default = summary["final"], summary["untuned_default"]
     tuning = summary["tuning"]
