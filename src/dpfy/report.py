@@ -3,10 +3,11 @@
 :func:`build_report` turns :class:`~dpfy.facts.RunFacts` into a :class:`ReportCard`; nothing in it
 is typed by hand. Each section is built by one registered function, and the Markdown is rendered
 from the same JSON the card exports, so the two never disagree. Re-rendering needs only the saved
-facts (no torch): :func:`render_run` reads ``RUN_DIR/facts.json`` that :func:`write_report` wrote
-beside ``report.md``, ``report.json`` and the PNG plots. Diagnostics (accuracy, gradient-norm
-statistics) are computed without noise and are marked as not private; ``diagnostics=False`` drops
-them for publication.
+facts: :func:`render_run` reads ``RUN_DIR/facts.json`` that :func:`write_report` wrote beside
+``report.md``, ``report.json`` and the PNG plots; a re-rendered report recomputes ε from the stored
+events and never trusts a stored number, so an edited file is refused, not printed. Diagnostics
+(accuracy, gradient-norm statistics) are computed without noise and are marked as not private;
+``diagnostics=False`` drops them for publication.
 
 JSON schema (``ReportCard.to_json()``; keys are stable, version 1; ε values are numbers, or the
 strings "inf"/"nan" when unbounded, or null where not applicable)::
@@ -831,7 +832,12 @@ def render(facts: RunFacts, fmt: str = "md") -> str:
 
 
 def render_run(run_dir: str | os.PathLike[str], fmt: str = "md") -> str:
-    """Re-render the report of a saved run from its facts file (what ``dpfy report`` prints)."""
+    """Re-render the report of a saved run from its facts file (what ``dpfy report`` prints).
+
+    A re-rendered report recomputes ε from the stored events and never trusts a stored number:
+    :meth:`RunFacts.load` rebuilds the ledger and refuses, with one ValueError naming the file,
+    the field and the fix, any file whose figures the recomputation does not bear out.
+    """
     return render(RunFacts.load(Path(run_dir) / FACTS_FILE), fmt)
 
 
