@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -295,11 +296,12 @@ def test_random_trials_settings_are_refused_before_any_trial_runs(spec: TuningSp
 
 
 def test_the_default_tuner_gives_every_run_a_fresh_seed() -> None:
-    # The search's seed is a public default (0): trial noise seeded from it would be known.
+    # A seed a search was given is public: trial noise seeded from it would be known.
     calls, run = fake_runner(ACCURACY)
-    Tuner(clip_search(), "compose", runner=run).run(DATA, 1e-4)
+    Tuner(dataclasses.replace(clip_search(), seed=0), "compose", runner=run).run(DATA, 1e-4)
     seeds = [c.seed for c in calls]
-    assert len(set(seeds)) == len(seeds) and clip_search().seed not in seeds
+    assert len(set(seeds)) == len(seeds) and 0 not in seeds
     calls, run = fake_runner(ACCURACY)
-    Tuner(clip_search(), "compose", seed=3, runner=run).run(DATA, 1e-4)  # an experiment
-    assert [c.seed for c in calls] == [c.seed for c in clip_search().candidates()]
+    seeded = dataclasses.replace(clip_search(), seed=5)
+    Tuner(seeded, "compose", seed=3, runner=run).run(DATA, 1e-4)  # an experiment
+    assert [c.seed for c in calls] == [c.seed for c in seeded.candidates()] == [5] * len(calls)

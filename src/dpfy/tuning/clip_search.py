@@ -96,7 +96,7 @@ class ClipSearch:
     batch_size: int = 128
     model: str = "mlp"
     optimizer: str = "adam"
-    seed: int | None = 0
+    seed: int | None = None  # every trial's sampling and noise; None: OS entropy
     name: str = "clip"
 
     def __post_init__(self) -> None:

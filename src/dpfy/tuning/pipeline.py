@@ -88,15 +88,15 @@ SEARCHES: dict[str, SearchBuilder] = {
     "clip": lambda c, sigma: ClipSearch(
         grid=c.clip_grid, tolerance=c.tolerance, lr=c.lr, noise_multiplier=sigma,
         epochs=c.trial_epochs, batch_size=c.batch_size, model=c.model, optimizer=c.optimizer,
-        seed=public_seed(c.seed),
+        seed=c.seed,
     ),
     "lr-clip": lambda c, sigma: LrClipSweep(
         lrs=c.lr_grid, clips=c.sweep_clips, noise_multiplier=sigma, epochs=c.trial_epochs,
-        batch_size=c.batch_size, model=c.model, optimizer=c.optimizer, seed=public_seed(c.seed),
+        batch_size=c.batch_size, model=c.model, optimizer=c.optimizer, seed=c.seed,
     ),
     "random": lambda c, sigma: RandomSearch(
         count=c.trials, noise_multiplier=sigma, epochs=c.trial_epochs, batch_size=c.batch_size,
-        model=c.model, optimizer=c.optimizer, seed=public_seed(c.seed),
+        model=c.model, optimizer=c.optimizer, seed=c.seed,
     ),
 }  # fmt: skip
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfy._validate import check_count, check_positive
+from dpfy.run_config import public_seed
 from dpfy.tuning.search import accuracy_rank, best_by_accuracy, trial_at
 from dpfy.tuning.trial import TrialConfig, TrialResult
 
@@ -36,7 +37,7 @@ class RandomSearch:
     batch_size: int = 128
     model: str = "mlp"
     optimizer: str = "adam"
-    seed: int | None = 0
+    seed: int | None = None  # every trial's sampling and noise; None: OS entropy
     name: str = "random"
 
     def __post_init__(self) -> None:
@@ -45,8 +46,12 @@ class RandomSearch:
         _check_span("clip", self.clip_range)
 
     def candidates(self) -> list[TrialConfig]:
-        """``count`` log-uniform draws, reproducible from ``seed``."""
-        rng = np.random.default_rng(self.seed)
+        """``count`` log-uniform draws, reproducible from ``seed`` (fixed at 0 when unset).
+
+        The draw sees no data, so it is public and stays reproducible (``public_seed``) even when
+        the trials' sampling and noise come from OS entropy.
+        """
+        rng = np.random.default_rng(public_seed(self.seed))
         logs = np.log([self.lr_range, self.clip_range])
         draws = rng.uniform(logs[:, 0], logs[:, 1], size=(self.count, 2))
         return [

@@ -51,7 +51,7 @@ class LrClipSweep:
     batch_size: int = 128
     model: str = "mlp"
     optimizer: str = "sgd"
-    seed: int | None = 0
+    seed: int | None = None  # every trial's sampling and noise; None: OS entropy
     name: str = "lr-clip"
 
     def __post_init__(self) -> None:

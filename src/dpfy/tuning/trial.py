@@ -41,7 +41,10 @@ class TrialConfig:
     batch_size: int = 128
     model: str = "mlp"
     optimizer: str = "adam"
-    seed: int | None = 0  # sampling and noise of the run; None: OS entropy
+    #: Seeds the trial's sampling and noise, for experiments only: anyone who knows the seed can
+    #: replay the noise. None (the default) draws both from OS entropy, as everywhere in dpfy; the
+    #: model's initialisation is public and fixed by ``run_config.public_seed`` either way.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         check_positive("max_grad_norm", self.max_grad_norm)
@@ -92,6 +95,10 @@ class _ZeroNoise:
         """Zeros shaped like ``like``."""
         return torch.zeros_like(like)
 
+    def fill_(self, out: torch.Tensor, std: float) -> torch.Tensor:
+        """Zero ``out`` in place (the engine may draw noise straight into its sums)."""
+        return out.zero_()
+
 
 def split_indices(size: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """A seeded random split of ``range(size)`` into (the ``fraction`` part, the rest)."""
@@ -112,7 +119,11 @@ def _sampling_event(private: object) -> DpEvent:
 
 
 def run_trial(config: TrialConfig, data: TuningData, delta: float) -> TrialResult:
-    """Train ``config`` privately on ``data.train`` and count correct validation predictions."""
+    """Train ``config`` privately on ``data.train`` and count correct validation predictions.
+
+    Sampling and noise come from OS entropy unless ``config.seed`` is set (an experiment), so two
+    default trials on the same data are two independent private runs.
+    """
     model, optimizer = fresh_model(config, data)
     zero_noise = config.noise_multiplier == 0.0
     private = make_private(

@@ -213,7 +213,8 @@ class Tuner:
         """Which configurations run: all of them, or K drawn ones, each chosen afresh.
 
         Unseeded, every run gets a seed from OS entropy, so no trial's noise or sampling follows
-        the search's public default seed.
+        the search's public default seed. Seeded (an experiment), every run is reproducible: a
+        candidate without a seed of its own gets one derived from the tuner's.
         """
         if self._method.selection == SELECT_BY_ORDER:
             count: int | None = draw_trial_count(self.spec, rng)
@@ -224,7 +225,10 @@ class Tuner:
             seeds = rng.integers(2**31, size=len(runs))
             return [c.with_(seed=int(s)) for c, s in zip(runs, seeds, strict=True)], count
         if count is None:
-            return runs, None
+            return [
+                c if c.seed is not None else c.with_(seed=self.seed + 1 + n)
+                for n, c in enumerate(runs)
+            ], None
         return [c.with_(seed=self.seed + 1 + n) for n, c in enumerate(runs)], count
 
     def _select(self, results: list[TrialResult], rng: np.random.Generator) -> TrialResult | None:
