@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 
 def check_finite(name: str, value: float) -> float:
@@ -42,7 +43,13 @@ def check_positive(name: str, value: float) -> float:
 
 def check_count(name: str, value: int, *, minimum: int = 0) -> int:
     """Require a whole count such as a number of steps (bools and fractional floats refused)."""
-    if isinstance(value, bool) or not float(value).is_integer():
+    try:
+        whole = not isinstance(value, bool) and float(value).is_integer()
+    except OverflowError:  # an int too large for a float is still whole
+        whole = isinstance(value, int)
+    except (TypeError, ValueError):
+        whole = False
+    if not whole:
         raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
     value = int(value)
     if value < minimum:
@@ -58,3 +65,39 @@ def check_delta(value: float, name: str = "delta") -> float:
 def check_sampling_rate(value: float, name: str = "sampling_rate") -> float:
     """A Poisson sampling rate q lies in (0, 1]."""
     return check_range(name, value, 0.0, 1.0, high_open=False)
+
+
+#: Largest accepted seed: derived streams (seed + 1, seed + 2, one per tuning trial …) must still
+#: fit the 64-bit seeds torch and numpy take, so half that range is left as headroom.
+MAX_SEED = 2**63 - 1
+
+#: Largest accepted learning rate: far above any step size that trains (float32 weights overflow
+#: long before), and it keeps ``lr`` representable where torch converts it to float32.
+MAX_LEARNING_RATE = 1e6
+
+
+def check_seed(value: int | None, name: str = "seed") -> int | None:
+    """A seed must be a whole number in [0, MAX_SEED] (None: draw from OS entropy)."""
+    if value is None:
+        return None
+    try:
+        seed = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        seed = None
+    if seed is None or not 0 <= seed <= MAX_SEED:
+        raise ValueError(
+            f"{name} must be a whole number from 0 to 2**63 - 1 = {MAX_SEED}, got {value!r}; "
+            "pass a seed in that range, or none for OS entropy"
+        )
+    return seed
+
+
+def check_learning_rate(name: str, value: float) -> float:
+    """A learning rate lies in (0, MAX_LEARNING_RATE]; larger ones only overflow the weights."""
+    value = check_positive(name, value)
+    if value > MAX_LEARNING_RATE:
+        raise ValueError(
+            f"{name} must be at most {MAX_LEARNING_RATE:g}, got {value!r}: a step that large "
+            "overflows the weights; lower it"
+        )
+    return value

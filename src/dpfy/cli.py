@@ -1,8 +1,8 @@
 """The ``dpfy`` command line: ``account``, ``plan``, ``train`` and ``report``.
 
 ``account`` and ``plan`` are a stable contract other tools build on: with ``--json`` each prints
-exactly one JSON object on stdout. Bad input never shows a traceback: any ValueError becomes one
-line on stderr and exit code 2.
+exactly one JSON object on stdout. Bad input never shows a traceback: any ValueError, and any
+option the parser refuses, becomes one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -15,26 +15,62 @@ import warnings
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import click
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from dpfy.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
+from dpfy.accounting.events import MAX_STEPS
 from dpfy.federated.config import FederatedConfig
-from dpfy.run_config import OPTIMIZER_NAMES, UNIT_NAMES, TrainConfig
+from dpfy.run_config import MAX_EPOCHS, OPTIMIZER_NAMES, UNIT_NAMES, TrainConfig
+
+USAGE_ERROR = 2
+
+
+def _usage_error(err: click.UsageError, ctx: click.Context | None) -> click.exceptions.Exit:
+    """Print a parser refusal as one ``error:`` line pointing at the help; exit code 2."""
+    where = err.ctx or ctx
+    message = " ".join(err.format_message().split()).rstrip(".")
+    help_hint = f"; see `{where.command_path} --help`" if where is not None else ""
+    typer.echo(f"error: {message}{help_hint}", err=True)
+    return click.exceptions.Exit(USAGE_ERROR)
+
+
+class _OneLineErrors(TyperGroup):
+    """Options the parser refuses (``--steps 1e30``) get one ``error:`` line too, not a panel."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        """Parse the top-level options (``dpfy --bogus`` is refused in one line)."""
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as err:
+            raise _usage_error(err, None) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the subcommand; a usage error becomes one line on stderr and exit code 2."""
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as err:
+            raise _usage_error(err, ctx) from None
+
 
 app = typer.Typer(
     name="dpfy",
     help="Train machine-learning models with differential privacy: plan, account, train, report.",
+    cls=_OneLineErrors,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-USAGE_ERROR = 2
 
 
 class AccountantChoice(str, Enum):
@@ -76,6 +112,16 @@ def _out_dir(out: str | None) -> Path | None:
     return Path(out)
 
 
+def _warn_if_unbounded(epsilon: float) -> None:
+    """An infinite ε is a result, not a crash: say once, plainly, what it means."""
+    if not math.isfinite(epsilon):
+        warnings.warn(
+            "ε is infinite: these settings give no (ε, δ) guarantee (the noise is too small "
+            "for the number of steps); raise --noise-multiplier or lower --steps",
+            stacklevel=2,
+        )
+
+
 def _finite(value: float) -> float | None:
     """JSON has no infinity: an unbounded ε is printed as null."""
     return value if math.isfinite(value) else None
@@ -101,7 +147,7 @@ def _emit(result: dict[str, object], title: str, as_json: bool) -> None:
 def account(
     sampling_rate: Annotated[float, typer.Option(help="Poisson sampling rate q = B / N.")],
     noise_multiplier: Annotated[float, typer.Option(help="Noise multiplier σ (std / clip norm).")],
-    steps: Annotated[int, typer.Option(help="Number of DP-SGD steps.")],
+    steps: Annotated[int, typer.Option(help=f"Number of DP-SGD steps (at most {MAX_STEPS:,}).")],
     delta: DeltaOption,
     accountant: AccountantOption = AccountantChoice.pld,
     as_json: JsonOption = False,
@@ -116,6 +162,7 @@ def account(
             epsilon, extra["rdp_order"] = details.epsilon, details.order
         else:
             epsilon = tracker.epsilon(delta)
+        _warn_if_unbounded(epsilon)
         result: dict[str, object] = {
             "epsilon": epsilon,
             "delta": delta,
@@ -149,7 +196,16 @@ def plan(
         if not (math.isfinite(epochs) and epochs > 0):
             raise ValueError(f"epochs must be a finite number > 0, got {epochs}")
         rate = batch_size / dataset_size
-        steps = max(1, math.ceil(epochs * dataset_size / batch_size))
+        try:
+            passes = epochs * dataset_size / batch_size
+        except OverflowError:  # a dataset size beyond any float
+            passes = math.inf
+        if passes > MAX_STEPS:
+            raise ValueError(
+                f"⌈epochs·N/B⌉ = {passes:.3g} steps exceeds the {MAX_STEPS:,} the accountants "
+                "compose; lower --epochs or --dataset-size, or raise --batch-size"
+            )
+        steps = max(1, math.ceil(passes))
         sigma = calibrate_noise_multiplier(
             target_epsilon, delta, rate, steps, accountant=accountant.value
         )
@@ -186,8 +242,10 @@ class ReportFormat(str, Enum):
 
 _SEED_HELP = (
     "Seed sampling and noise too, for reproducible experiments (the report then flags the run: "
-    "whoever knows the seed can replay the noise). Default: OS entropy; init and splits use 0."
+    "whoever knows the seed can replay the noise); 0 to 2**63 - 1. Default: OS entropy; init "
+    "and splits use 0."
 )
+_EPOCHS_BOUND = f"at most {MAX_EPOCHS}"
 _OUT_HELP = "Run directory: new or empty, never shared (default: a fresh runs/…)."
 
 
@@ -201,7 +259,9 @@ def train(
     delta: Annotated[
         float | None, typer.Option(help="δ; default: a power of ten at least 10× below 1/N.")
     ] = _TRAIN.delta,
-    epochs: Annotated[float, typer.Option(help="Passes over the data.")] = _TRAIN.epochs,
+    epochs: Annotated[float, typer.Option(help=f"Passes over the data ({_EPOCHS_BOUND}).")] = (
+        _TRAIN.epochs
+    ),
     batch_size: Annotated[int, typer.Option(help="Expected batch size B.")] = _TRAIN.batch_size,
     max_grad_norm: Annotated[float, typer.Option(help="Clip norm C.")] = _TRAIN.max_grad_norm,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = _TRAIN.lr,
@@ -298,8 +358,10 @@ def tune(
     lr_grid: Annotated[str, typer.Option(help="lr-clip: learning rates.")] = "0.001,0.01,0.1",
     tolerance: Annotated[float, typer.Option(help="ClipSearch relative tolerance, (0, 1).")] = 0.02,
     target_epsilon: Annotated[float, typer.Option(help="ε of the final training run.")] = 3.0,
-    epochs: Annotated[float, typer.Option(help="Epochs of the final run.")] = 20,
-    trial_epochs: Annotated[float, typer.Option(help="Epochs of each tuning trial.")] = 2,
+    epochs: Annotated[float, typer.Option(help=f"Epochs of the final run ({_EPOCHS_BOUND}).")] = 20,
+    trial_epochs: Annotated[
+        float, typer.Option(help=f"Epochs of each tuning trial ({_EPOCHS_BOUND}).")
+    ] = 2,
     optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
     lr: Annotated[float, typer.Option(help="Learning rate (ClipSearch, the default).")] = 0.01,
     out: Annotated[

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpfy._validate import check_positive
+
 #: Optimizers the trainer offers (each post-processes the private gradient, guide §5.5.2).
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad")
 
@@ -16,6 +18,21 @@ UNIT_NAMES = ("example", "user")
 #: Training algorithms ``dpfy train`` offers: DP-SGD (Poisson sampling) or DP-FTRL (dpfy.ftrl:
 #: shuffled batches, tree-aggregation noise, no sampling assumption; needs --optimizer sgd).
 ALGORITHM_NAMES = ("dp-sgd", "dp-ftrl")
+
+#: Upper bound on --epochs (and tuning's --trial-epochs): generous, as DP runs take tens to
+#: hundreds of passes, and it keeps the ⌈E·N/B⌉ steps within what the accountants compose.
+MAX_EPOCHS = 10_000
+
+
+def check_epochs(name: str, value: float) -> float:
+    """Epochs lie in (0, MAX_EPOCHS]: a longer run never ends and overflows the accounting."""
+    value = check_positive(name, value)
+    if value > MAX_EPOCHS:
+        raise ValueError(
+            f"{name} must be at most {MAX_EPOCHS}, got {value:g}; lower it (no DP run needs "
+            "more passes over its data)"
+        )
+    return value
 
 
 @dataclass(frozen=True)

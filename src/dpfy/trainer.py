@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpfy._validate import check_count, check_positive
+from dpfy._validate import check_count, check_learning_rate, check_positive, check_seed
 from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.data.users import UserSplit, split_users
 from dpfy.distributed import (
@@ -36,7 +36,13 @@ from dpfy.distributed import (
     launched_process_group,
 )
 from dpfy.models import build_model
-from dpfy.run_config import ALGORITHM_NAMES, UNIT_NAMES, TrainConfig, public_seed
+from dpfy.run_config import (
+    ALGORITHM_NAMES,
+    UNIT_NAMES,
+    TrainConfig,
+    check_epochs,
+    public_seed,
+)
 from dpfy.session import PrivateTraining, make_private
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -240,10 +246,11 @@ def release_run_dir(path: Path) -> None:
 def check_config(config: TrainConfig) -> None:
     """Refuse bad settings before any data is loaded."""
     check_positive("target_epsilon", config.target_epsilon)
-    check_positive("epochs", config.epochs)
+    check_epochs("epochs", config.epochs)
     check_count("batch_size", config.batch_size, minimum=1)
     check_positive("max_grad_norm", config.max_grad_norm)
-    check_positive("lr", config.lr)
+    check_learning_rate("lr", config.lr)
+    check_seed(config.seed)
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(
             f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {config.optimizer!r}"
@@ -268,7 +275,12 @@ def check_config(config: TrainConfig) -> None:
 
 
 def accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 1024) -> float:
-    """Top-1 accuracy of ``model`` on ``data``."""
+    """Top-1 accuracy of ``model`` on ``data`` (an empty split has none: refused, not 0/0)."""
+    if len(data) == 0:
+        raise ValueError(
+            "cannot measure accuracy on an empty split (0 examples); give the dataset a test "
+            "split with examples"
+        )
     model.eval()
     correct = 0
     with torch.no_grad():

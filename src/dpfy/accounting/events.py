@@ -265,9 +265,25 @@ def _check_event(name: str, event: object) -> None:
         raise ValueError(f"{name} must be a DpEvent, got {type(event).__name__}")
 
 
+def _magnitude(count: int) -> str:
+    """A count for a message: exact when short, as a power of ten when it has many digits."""
+    digits = len(str(count))
+    return str(count) if digits <= 15 else f"about 1e{digits - 1}"
+
+
+#: The most DP-SGD steps :func:`dpsgd_event` accepts: a billion is beyond any training run, and
+#: the accountants' grids overflow (or exhaust memory) not far above it.
+MAX_STEPS = 10**9
+
+
 def dpsgd_event(sampling_rate: float, noise_multiplier: float, steps: int) -> DpEvent:
     """The event of ``steps`` DP-SGD steps with Poisson sampling (guide alg. 1)."""
+    steps = check_count("steps", steps)
+    if steps > MAX_STEPS:
+        raise ValueError(
+            f"steps must be at most {MAX_STEPS:,} (the most the accountants compose), got "
+            f"{_magnitude(steps)}; lower the number of steps"
+        )
     return SelfComposedEvent(
-        PoissonSampledEvent(sampling_rate, GaussianEvent(noise_multiplier)),
-        check_count("steps", steps),
+        PoissonSampledEvent(sampling_rate, GaussianEvent(noise_multiplier)), steps
     )

@@ -207,13 +207,18 @@ def _noop_curve(event: NoOpEvent, relation: NeighbouringRelation, orders: np.nda
     return np.zeros_like(orders)
 
 
+def _half_square(scale: float) -> float:
+    """scale²/2, or +∞ where that overflows a float: noise so small gives no finite guarantee."""
+    with np.errstate(over="ignore"):
+        return float(np.float64(scale) ** 2 / 2.0)
+
+
 @_rule(GaussianEvent)
 def _gaussian_curve(
     event: GaussianEvent, relation: NeighbouringRelation, orders: np.ndarray
 ) -> np.ndarray:
     """α·s²/(2σ²) with s the relation's sensitivity factor (Mironov 2017, Table II)."""
-    scale = relation.sensitivity_factor / event.noise_multiplier
-    return orders * scale**2 / 2.0
+    return orders * _half_square(relation.sensitivity_factor / event.noise_multiplier)
 
 
 @_rule(LaplaceEvent)
@@ -274,7 +279,7 @@ def _tree_aggregation_curve(
 ) -> np.ndarray:
     """α·depth·s²/(2σ²): one record sits in at most ``depth`` nodes, each with noise σ·Δ."""
     scale = relation.sensitivity_factor / event.noise_multiplier
-    return orders * event.depth * scale**2 / 2.0
+    return orders * event.depth * _half_square(scale)
 
 
 # -- Poisson-sampled Gaussian (Mironov, Talwar & Zhang 2019) ------------------------------------
@@ -389,6 +394,17 @@ def _log_moments_fractional(q: float, sigma: float, alphas: np.ndarray) -> np.nd
     return np.log1p(shifted)
 
 
+#: Largest exponent (k² − k)/(2σ²) the series may hold: beyond it ε_α exceeds 1e297 at best,
+#: infinite for every purpose, and the float arithmetic would overflow into NaN.
+_LOG_MAX_EXPONENT = math.log(1e300)
+
+
+def _negligible_noise(sigma: float, orders: np.ndarray) -> bool:
+    """Whether the exponents for the largest order overflow: σ too small for a finite bound."""
+    top = float(np.max(orders)) + _SERIES_BLOCK  # the fractional series run past α
+    return 2 * math.log(top) - math.log(2.0) - 2 * math.log(sigma) > _LOG_MAX_EXPONENT
+
+
 @functools.lru_cache(maxsize=512)
 def _sampled_gaussian_cached(q: float, sigma: float, orders: tuple[float, ...]) -> np.ndarray:
     """The sampled-Gaussian curve, cached: calibration asks for the same (q, σ) many times."""
@@ -407,10 +423,13 @@ def _sampled_gaussian_curve(q: float, sigma: float, orders: np.ndarray) -> np.nd
 
     ε(α) = log A_α/(α−1) with A_α = E_{z∼N(0,σ²)}[((1−q) + q·e^{(2z−1)/(2σ²)})^α], the divergence
     of the mixture from N(0,σ²); MTZ 2019 (§3) show this direction dominates the reverse one,
-    so it is the add-or-remove RDP. q = 1 is the plain Gaussian α/(2σ²).
+    so it is the add-or-remove RDP. q = 1 is the plain Gaussian α/(2σ²). Where the series'
+    exponents (k² − k)/(2σ²) would overflow a float the noise is negligible: the curve is +∞.
     """
+    if _negligible_noise(sigma, orders):
+        return np.full(np.shape(orders), np.inf)
     if q == 1.0:
-        return orders / (2 * sigma**2)
+        return orders * _half_square(1.0 / sigma)
     return np.array(_sampled_gaussian_cached(float(q), float(sigma), tuple(map(float, orders))))
 
 
@@ -563,6 +582,8 @@ def epsilon_from_rdp(
     rdp, orders = _check_curve(rdp, orders)
     if not np.any(rdp > 0):
         return RdpEpsilon(0.0, delta, math.inf, False)
+    if not np.any(np.isfinite(rdp)):  # no order bounds anything: ε is infinite, no edge to widen
+        return RdpEpsilon(math.inf, delta, math.inf, False)
     per_order = _epsilon_per_order(rdp, orders, delta)
     index = int(np.argmin(per_order))
     return RdpEpsilon(

@@ -163,7 +163,14 @@ def load_dataset(
         standardize=bool(standardize),
         declare_public=bool(declare_public),
     )
-    return spec.load(options)
+    data = spec.load(options)
+    for split, part in (("training", data.train), ("test", data.test)):
+        if len(part) == 0:  # nothing to train on, or accuracy would be 0/0
+            raise ValueError(
+                f"{name}: the {split} split holds no examples ({data.source}); supply files "
+                f"whose {split} split has examples"
+            )
+    return data
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -346,12 +353,26 @@ def _read_split(
         raise ValueError(
             f"{name}: expected 28×28 images and 1-D labels, got {images.shape} and {labels.shape}"
         )
-    if len(images) != len(labels) or (labels.size and labels.max() > 9):
+    if len(images) != len(labels):
         raise ValueError(
-            f"{name}: {len(images)} images but {len(labels)} labels, or a label above 9 "
-            f"({files[f'{split}_labels']})"
+            f"{name}: {len(images)} images but {len(labels)} labels "
+            f"({files[f'{split}_labels']}); restore an intact copy of the files"
         )
+    _check_labels(labels, 10, files[f"{split}_labels"], name)
     return images, labels
+
+
+def _check_labels(labels: np.ndarray, classes: int, path: Path, name: str) -> None:
+    """Every label must be a class 0..classes−1: a −1 or NaN would train on garbage silently."""
+    with np.errstate(invalid="ignore"):
+        valid = np.isfinite(labels) & (labels >= 0) & (labels < classes) & (labels % 1 == 0)
+    bad = np.flatnonzero(~valid)
+    if bad.size:
+        raise ValueError(
+            f"{name}: {path} holds {bad.size} label(s) outside the classes 0..{classes - 1} "
+            f"(the first, at row {bad[0]}: {labels[bad[0]].item()!r}; a label above "
+            f"{classes - 1}, below 0 or not a whole number); restore an intact copy of the file"
+        )
 
 
 def _idx_source(spec: _IdxDataset, directory: Path) -> str:
@@ -448,6 +469,22 @@ def _adult_files(data_dir: Path | None) -> tuple[Path, Path | None]:
     raise DatasetNotFound(f"adult not found in {data_dir} (no adult.data or adult.csv); {hint}.")
 
 
+def _read_adult(path: Path) -> _adult.AdultTable:
+    """One Adult file, with unreadable or binary files refused by name (not a bare codec error)."""
+    try:
+        return _adult.read_adult(path)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"adult: {path} is not a UTF-8 text file (byte {err.start}: {err.reason}); pass the "
+            "UCI text files adult.data/adult.test or a CSV"
+        ) from None
+    except OSError as err:
+        raise ValueError(
+            f"adult: cannot read {path} ({err.strerror or err}); check its permissions, or pass "
+            "--data-dir pointing at a readable copy"
+        ) from None
+
+
 def _adult_rows(table: _adult.AdultTable, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Encoded features and labels of one Adult file, cut to ``limit``."""
     return _head(_adult.encode(table), limit), _head(table.labels, limit)
@@ -457,13 +494,13 @@ def _adult_rows(table: _adult.AdultTable, limit: int | None) -> tuple[np.ndarray
 def _load_adult(options: LoadOptions) -> LoadedDataset:
     """Adult with public one-hot vocabulary; numeric columns standardised unless told otherwise."""
     train_file, test_file = _adult_files(options.data_dir)
-    train = _adult.read_adult(train_file)
+    train = _read_adult(train_file)
     if test_file is None:
         parts = _split(_adult.encode(train), train.labels, options.limit)
         x_train, x_test, y_train, y_test = parts
         split, source = _STRATIFIED, f"{train_file}"
     else:
-        test = _adult.read_adult(test_file)
+        test = _read_adult(test_file)
         x_train, y_train = _adult_rows(train, options.limit)
         x_test, y_test = _adult_rows(test, options.limit)
         split = "the dataset's own split: adult.data for training, adult.test for test"

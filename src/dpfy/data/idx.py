@@ -96,7 +96,10 @@ def read_idx(path: str | Path, *, limit: int | None = None) -> np.ndarray:
     except (EOFError, OSError, zlib.error) as err:
         if isinstance(err, FileNotFoundError):
             raise
-        raise IdxFormatError(f"{path}: corrupt or unreadable file ({err})") from err
+        raise IdxFormatError(
+            f"{path}: corrupt or unreadable file ({err}); check its permissions, or replace it "
+            "with an intact copy"
+        ) from err
     array = np.frombuffer(data, dtype=dtype).reshape(shape)
     return array.astype(dtype.newbyteorder("="))
 

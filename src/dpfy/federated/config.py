@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpfy._validate import check_count, check_positive
+from dpfy._validate import check_count, check_learning_rate, check_positive, check_seed
 
 if TYPE_CHECKING:
     from dpfy.federated.fedavg import FedAvgConfig
@@ -55,8 +55,11 @@ class FederatedConfig:
         check_count("local_steps", self.local_steps, minimum=1)
         if self.local_batch_size is not None:
             check_count("local_batch_size", self.local_batch_size, minimum=1)
-        for name in ("client_lr", "server_lr", "clip_norm", "target_epsilon"):
+        for name in ("clip_norm", "target_epsilon"):
             check_positive(name, getattr(self, name))
+        for name in ("client_lr", "server_lr"):
+            check_learning_rate(name, getattr(self, name))
+        check_seed(self.seed)
         if str(self.server_optimizer).strip().lower() not in SERVER_OPTIMIZER_NAMES:
             raise ValueError(
                 f"server optimizer must be one of {', '.join(SERVER_OPTIMIZER_NAMES)}; got "

@@ -10,6 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from dpfy._validate import check_learning_rate, check_seed
+from dpfy.run_config import check_epochs
 from dpfy.tuning.pipeline import TuneConfig, check_tune_config, parse_grid, run_tuning
 
 
@@ -45,6 +47,10 @@ def tune_command(
     """
     from dpfy.trainer import fresh_run_dir, release_run_dir
 
+    check_seed(seed)
+    check_epochs("epochs", epochs)
+    check_epochs("trial_epochs", trial_epochs)
+    check_learning_rate("lr", lr)
     config = TuneConfig(
         dataset=dataset, search=search, trials=trials, accounting=accounting,
         public_data=public_data, distribution=distribution, clip_grid=parse_grid(clip_grid),
