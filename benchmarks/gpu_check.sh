@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks as one run, for a machine with a CUDA device (about 4 minutes on one H200):
 # the CUDA tests, then benchmarks/step_overhead.py on the device at default threads and at one
-# thread (noise drawn on the worker thread). dpfy need not be installed there: src/ and tests/
+# thread. dpfy need not be installed there: src/ and tests/
 # go on PYTHONPATH. Opacus, for the comparison, only if importable (copy it along otherwise).
 # Usage: bash benchmarks/gpu_check.sh [RESULTS_DIR]   (default: benchmarks/results)
 set -euo pipefail

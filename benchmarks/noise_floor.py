@@ -14,12 +14,11 @@ each torch thread count this measures, in one process:
 
 ``floor`` is ``1 + min(draw, split) / step``: the step-time ratio to non-private SGD that the
 noise alone imposes when it cannot be hidden behind the model's own work, i.e. when torch's
-threads use every core. With fewer torch threads than cores dpfy draws the noise on an idle core
-while the model computes (``dpfy.noise_ahead``); no floor is given then. ``split`` shows why the
-draw cannot simply be spread over the cores when they are all torch's: after a parallel region,
-OpenMP's threads spin, waiting for the next one, and hold the other cores for longer than the
-draw takes. Times are this process's own (a machine shared with other work varies between
-runs). Results go to ``benchmarks/results/noise_floor.json``.
+threads use every core (dpfy draws the noise on the training thread, in the step). ``split``
+shows why the draw cannot simply be spread over the cores when they are all torch's: after a
+parallel region, OpenMP's threads spin, waiting for the next one, and hold the other cores for
+longer than the draw takes. Times are this process's own (a machine shared with other work
+varies between runs). Results go to ``benchmarks/results/noise_floor.json``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The GPU path: engines, noise, the noise worker and checkpoints on a CUDA device.
+"""The GPU path: engines, noise and checkpoints on a CUDA device.
 
 Skipped where no CUDA device is present (CI has none); run them on a GPU machine with
 ``pytest tests/test_cuda.py``. What they guard: noise is drawn on the parameters' device from
-that device's own generator, the noise worker's stream handling gives the same run as drawing on
-the training thread, and the engines' sums match the batch-of-one reference on the device.
+that device's own generator, a killed and resumed run continues the same run, and the engines'
+sums match the batch-of-one reference on the device.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from torch.utils.data import TensorDataset
 
 import dpfy
 from dpfy.grads import make_engine
-from dpfy.grads.registry import row_blocks
 from dpfy.noise import TorchNoise
 from test_grads import TinyTransformer, assert_matches_reference, cross_entropy
-from test_noise_ahead import torch_threads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -107,17 +105,15 @@ def zero_gradient_run(sigma: float, clip: float, batch: int, lr: float) -> dpfy.
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_update_noise_on_the_gpu_has_variance_sigma_c_over_b_times_lr_squared(threads):
+def test_update_noise_on_the_gpu_has_variance_sigma_c_over_b_times_lr_squared():
     """Zero gradients: one step moves each coordinate by lr·N(0, σ²C²)/B (chi-square test)."""
     lr, sigma, clip, batch = 0.5, 1.3, 0.7, 40
-    with torch_threads(threads):  # 1: drawn on the worker; 2: on the training thread
-        private = zero_gradient_run(sigma, clip, batch, lr)
-        before = torch.cat([p.detach().flatten() for p in private.model.parameters()])
-        for x, _ in private.loader:
-            private.optimizer.zero_grad()
-            private.model(x.to(GPU)).sum().backward()
-            private.optimizer.step()
+    private = zero_gradient_run(sigma, clip, batch, lr)
+    before = torch.cat([p.detach().flatten() for p in private.model.parameters()])
+    for x, _ in private.loader:
+        private.optimizer.zero_grad()
+        private.model(x.to(GPU)).sum().backward()
+        private.optimizer.step()
     assert all(p.grad.device.type == "cuda" for p in private.model.parameters())
     after = torch.cat([p.detach().flatten() for p in private.model.parameters()])
     update = (after - before).double().cpu().numpy()
@@ -141,7 +137,7 @@ def seeded_gpu_run(width: int, physical: int | None = None) -> dpfy.PrivateTrain
 
 
 def train_on_gpu(private: dpfy.PrivateTraining, stop_after: int | None = None) -> None:
-    """The usual loop, batches moved to the GPU, zero_grad() at its end (a draw then waits)."""
+    """The usual loop, batches moved to the GPU, zero_grad() at its end."""
     private.optimizer.zero_grad()
     for taken, (x, y) in enumerate(private.loader, start=1):
         nn.functional.cross_entropy(private.model(x.to(GPU)), y.to(GPU)).backward()
@@ -155,35 +151,15 @@ def gpu_weights(private: dpfy.PrivateTraining) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in private.model.parameters()]).cpu()
 
 
-@pytest.mark.parametrize("physical", [None, 4])
-def test_noise_worker_on_the_gpu_gives_the_same_run_as_drawing_here(physical):
-    """One torch thread: the worker draws on the training thread's stream; two: drawn here.
-
-    The first layer (5 → 4000) is filled in blocks while its product is added (``physical``
-    None) or gets its noise added after a sum formed over physical batches (4): both the fill
-    and the later addition run on the worker with the training thread's CUDA stream.
-    """
-    assert len(row_blocks(4000, 5)) > 1
-    with torch_threads(1):
-        on_worker = seeded_gpu_run(4000, physical)
-        train_on_gpu(on_worker)
-    with torch_threads(2):
-        here = seeded_gpu_run(4000, physical)
-        train_on_gpu(here)
-    torch.testing.assert_close(gpu_weights(on_worker), gpu_weights(here), rtol=1e-5, atol=1e-6)
-    assert not torch.equal(gpu_weights(on_worker), gpu_weights(seeded_gpu_run(4000)))
-
-
 def test_a_gpu_run_killed_and_resumed_continues_the_same_run(tmp_path):
-    with torch_threads(1):
-        whole = seeded_gpu_run(64)
-        train_on_gpu(whole)
-        first = seeded_gpu_run(64)
-        train_on_gpu(first, stop_after=3)
-        path = first.save(tmp_path / "checkpoint.pt")
-        resumed = seeded_gpu_run(64)
-        resumed.load(path)
-        train_on_gpu(resumed)
+    whole = seeded_gpu_run(64)
+    train_on_gpu(whole)
+    first = seeded_gpu_run(64)
+    train_on_gpu(first, stop_after=3)
+    path = first.save(tmp_path / "checkpoint.pt")
+    resumed = seeded_gpu_run(64)
+    resumed.load(path)
+    train_on_gpu(resumed)
     assert resumed.ledger.steps == whole.ledger.steps == 8
     assert resumed.epsilon() == pytest.approx(whole.epsilon(), rel=1e-12)
     torch.testing.assert_close(gpu_weights(resumed), gpu_weights(whole), rtol=0, atol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -84,22 +85,42 @@ def run_engine(
 ) -> tuple[dict[str, Tensor], Tensor, object]:
     """One forward/backward with the engine attached; returns sums, norms, and the engine.
 
-    The sum begins from a known offset, as a private step begins it from its noise: rules that
-    add in place (``add_clipped_sum``) are checked on that path; the offset is then removed.
+    The sums open from a known offset, as a private step opens them from their noise: rules
+    that add in place (``add_clipped_sum``) are checked on that path; the offset is then removed.
     """
     forward = forward or (lambda m, inp: m(inp))
     engine = make_engine(model, kind, **make_kwargs)
-    offset = {name: torch.full_like(p, 0.5) for name, p in engine.params.items()}
     try:
-        engine.begin_sum({name: value.clone() for name, value in offset.items()})
         losses = loss_fn(forward(model, x), y)
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
-        result = engine.clip_and_accumulate(clip, reduction, microbatch_size=microbatch)
+        offset = Offset(frozenset(engine.params))
+        result = engine.clip_and_accumulate(
+            clip, reduction, microbatch_size=microbatch, noise=offset
+        )
         assert all(p.grad is None for p in model.parameters() if p.requires_grad)
-        sums = {name: value - offset[name] for name, value in engine.summed_grads().items()}
+        assert offset.given == set(engine.params)  # every parameter got its "noise" once
+        sums = {name: value - 0.5 for name, value in engine.summed_grads().items()}
         return sums, result.norms, engine
     finally:
         engine.detach()
+
+
+@dataclasses.dataclass
+class Offset:
+    """A stand-in for the noise: every sum opens from 0.5 (or gets 0.5 added), once each."""
+
+    names: frozenset[str]
+    given: set[str] = dataclasses.field(default_factory=set)
+
+    def fill(self, name: str, out: Tensor) -> None:
+        assert name not in self.given
+        self.given.add(name)
+        out.fill_(0.5)
+
+    def add(self, name: str, total: Tensor) -> None:
+        assert name not in self.given
+        self.given.add(name)
+        total.add_(0.5)
 
 
 def assert_matches_reference(

@@ -74,7 +74,7 @@ class GradientAggregator(Protocol):
     """Turns this rank's noised clipped sums into the noisy total the optimizer divides by B.
 
     Each rank adds its own noise share of std ``share_std(std)`` to its clipped sum (the
-    optimizer draws it ahead, :mod:`dpfy.noise_ahead`); ``combine`` sums those over the ranks,
+    optimizer opens each sum from it); ``combine`` sums those over the ranks,
     so the total carries N(0, std²) per coordinate exactly once.
     """
 

@@ -23,11 +23,21 @@ import torch
 
 
 class NoiseSource(Protocol):
-    """Draws i.i.d. N(0, std²) noise shaped like a tensor."""
+    """Draws i.i.d. N(0, std²) noise shaped like a tensor.
+
+    A source may also offer ``fill_(out, std)``, drawing into ``out`` in place (no temporary);
+    :func:`fill_with_noise` uses it when it is there.
+    """
 
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
         """Noise with the shape, dtype and device of ``like``."""
         ...
+
+
+def fill_with_noise(source: NoiseSource, out: torch.Tensor, std: float) -> torch.Tensor:
+    """Overwrite ``out`` with the source's noise, in place when the source can draw in place."""
+    fill = getattr(source, "fill_", None)
+    return fill(out, std) if fill is not None else out.copy_(source.normal(out, std))
 
 
 _CPU = torch.device("cpu")
@@ -116,6 +126,10 @@ class SecureNoise:
         values = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:count]
         noise = torch.from_numpy(values).reshape(like.shape)
         return noise.mul_(std).to(device=like.device, dtype=like.dtype)
+
+    def fill_(self, out: torch.Tensor, std: float) -> torch.Tensor:
+        """Overwrite ``out`` with secure noise."""
+        return out.copy_(self.normal(out, std))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A secure source keeps no replayable state."""

@@ -15,16 +15,14 @@ Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enfor
   (:mod:`dpfy.data.provenance`), and every parameter the wrapped optimizer would update is one
   the engine clipped and noised: anything else is refused before anything changes.
 
-The noise does not depend on the data, so it is drawn ahead: ``zero_grad()`` opening a logical
-batch starts the draw on a worker thread (:mod:`dpfy.noise_ahead`) while the model computes, and
-the engine adds the clipped sums into the drawn buffers in place; the layer the engine sums last
-gets its noise filled in during the clip instead (memory).
+The noise is drawn in one place, on the training thread (on the parameters' device): on the last
+physical batch of a step the engine opens each parameter's sum from its noise, just before that
+layer is summed, and adds the clipped sum into it in place, so a step holds one
+parameter-sized buffer per parameter and no noise through the forward and backward passes.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +35,7 @@ from dpfy.data.records import SamplingRecord
 from dpfy.distributed import GradientAggregator, LocalAggregator
 from dpfy.grads import ClipResult, GradEngine, LossReduction, NoiseStart
 from dpfy.ledger import PrivacyLedger, StepRecord
-from dpfy.noise import NoiseSource, TorchNoise
-from dpfy.noise_ahead import NoiseAhead
+from dpfy.noise import NoiseSource, TorchNoise, fill_with_noise
 
 
 class NonFiniteGradientError(ValueError):
@@ -93,35 +90,20 @@ class NoiseSettings:
 
 
 @dataclass(frozen=True)
-class _HeadPlan:
-    """Which parameter gets a head (NoiseAhead draws it), and the most values it may hold."""
-
-    name: str
-    like: torch.Tensor
-    max_values: int
-
-
-@dataclass(frozen=True)
-class _NoiseDuringClip:
-    """The engine's :class:`NoiseStart` for the parameters whose noise is not drawn ahead."""
+class _NoiseInto:
+    """The engine's :class:`NoiseStart`: every parameter's sum opens from its noise, drawn now."""
 
     names: frozenset[str]
-    noise: NoiseAhead
+    source: NoiseSource
     std: float
-    head: _HeadPlan | None = None
 
-    def fill(self, name: str, out: torch.Tensor) -> Callable[[int], int] | None:
-        """Fill a running sum with noise, rows in order (on the worker when a core is idle)."""
-        return self.noise.fill(out, self.std, name=name)
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        """Draw the noise of one parameter into the sum about to be opened."""
+        fill_with_noise(self.source, out, self.std)
 
     def add(self, name: str, total: torch.Tensor) -> None:
-        """Add noise into a finished sum (on the worker when a core is idle)."""
-        self.noise.add_later(total, self.std, name=name)
-
-    def start_head(self, name: str) -> None:
-        """Start drawing the head's rows on the worker (:meth:`NoiseAhead.prepare_head`)."""
-        if self.head is not None and self.head.name == name:
-            self.noise.prepare_head(name, self.head.like, self.std, self.head.max_values)
+        """Add the noise of one parameter into a sum formed on earlier physical batches."""
+        total.add_(self.source.normal(total, self.std))
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -170,63 +152,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self.provenance = provenance
         engine.follow(provenance.stamp)
         self._private = {id(p) for p in engine.params.values()}
+        self._noised = frozenset(engine.params)  # every trainable parameter, every step
 
     #: The clipping unit this optimizer accounts for; the batch's units must be of this kind.
     @property
     def clipping_unit(self) -> str:
         """'microbatch' with microbatch clipping, else 'example' (user level: 'user')."""
         return "example" if self.settings.microbatch_size is None else "microbatch"
-
-    @property
-    def noise(self) -> NoiseAhead:
-        """Where the noise comes from (any source is wrapped to be drawn ahead)."""
-        return self._noise
-
-    @noise.setter
-    def noise(self, source: NoiseSource) -> None:
-        self._noise = source if isinstance(source, NoiseAhead) else NoiseAhead(source)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``p.grad``; opening a logical batch also starts drawing its noise meanwhile.
-
-        The clipped sum of a logical batch in progress (virtual batching) is kept.
-        """
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-        if not self.engine.summing:
-            self.noise.prepare(self._drawn_ahead, self._noise_share)
-
-    @functools.cached_property
-    def _drawn_ahead(self) -> dict[str, torch.Tensor]:
-        """Parameters whose noise is drawn ahead: all but those of the layer summed last.
-
-        Every noise buffer drawn ahead is held through the forward and backward passes. The
-        layer summed last is usually the first layer, often the largest (an MLP's input layer,
-        a transformer's embedding); its sum is instead opened from noise filled in while the
-        engine sums (:class:`dpfy.grads.NoiseStart`), so that memory is only needed when the
-        other layers' captured activations are gone. Fixed for the engine's life: computed once.
-        """
-        tail = self.engine.noise_tail()
-        return {name: p for name, p in self.engine.params.items() if name not in tail}
-
-    @functools.cached_property
-    def _head(self) -> _HeadPlan | None:
-        """The tail parameter whose first rows of noise are drawn while the layer before is summed.
-
-        The engine's product for it goes into those rows first; with their noise in hand it
-        starts at once, while the worker draws the rest (:meth:`NoiseAhead.prepare_head`).
-        Capped at twice B × rows values. For a Linear layer, B × rows is the clip-weighted output
-        gradient the product allocates just after the head is copied in and freed, so the head
-        adds at most that much to the step's peak memory, and nothing when it is no larger (the
-        MLP benchmark: 168 × 784 head values against 256 × 512). Used only when a logical batch
-        is one physical batch: with several, the tail's sum is formed before the last one and
-        only gets its noise added at the end, so there is no product to start early.
-        """
-        name = self.engine.noise_head()
-        if name is None:
-            return None
-        param = self.engine.params[name]
-        cap = 2 * math.ceil(self.settings.expected_batch_size) * param.shape[0]
-        return _HeadPlan(name, param, cap)
 
     @property
     def _noise_share(self) -> float:
@@ -247,13 +179,9 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         batch = self._take_batch()
-        opened = not self.engine.summing
-        if opened:  # the batch's sum starts from its noise (drawn once, used once)
-            self.engine.begin_sum(self.noise.take(self._drawn_ahead, self._noise_share))
         during = None
-        if self.boundary.closes_batch:  # a head only if this batch opened the sum (see _head)
-            head = self._head if opened else None
-            during = _NoiseDuringClip(self.engine.noise_tail(), self.noise, self._noise_share, head)
+        if self.boundary.closes_batch:  # every parameter's noise, drawn once, used once
+            during = _NoiseInto(self._noised, self.noise, self._noise_share)
         result = self._guarded(self._clip, batch, during, scale=1.0 / self.settings.divisor)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
@@ -360,7 +288,6 @@ class DPOptimizer(torch.optim.Optimizer):
         The engine's sum began from this batch's noise and both were formed at 1/B scale;
         across ranks the aggregator sums the ranks' noised shares (dpfy.distributed).
         """
-        self.noise.wait_later()
         noisy = self.aggregator.combine(self.engine.summed_grads())
         for name, total in noisy.items():
             self.engine.params[name].grad = total

@@ -41,8 +41,7 @@ from dpfy.distributed import (
 )
 from dpfy.grads import EngineChoice, GradEngine, LossReduction, make_engine
 from dpfy.ledger import PrivacyLedger
-from dpfy.noise import SecureNoise, TorchNoise
-from dpfy.noise_ahead import NoiseAhead
+from dpfy.noise import NoiseSource, SecureNoise, TorchNoise
 from dpfy.optim import BatchBoundary, DPOptimizer, NoiseSettings
 from dpfy.settings import PrivacySettings
 from dpfy.virtual import VirtualBatchLoader
@@ -62,7 +61,7 @@ class PrivateTraining:
         ledger: PrivacyLedger,
         engine: GradEngine,
         settings: PrivacySettings,
-        noise: NoiseAhead,
+        noise: NoiseSource,
         replicas: SingleProcess | ProcessGroupReplicas | None = None,
     ) -> None:
         self.model = model
@@ -395,13 +394,9 @@ def seeded_generator(seed: int | None, secure: bool = False) -> torch.Generator 
     return generator
 
 
-def noise_source(secure: bool, seed: int | None) -> NoiseAhead:
-    """The OS CSPRNG when asked, else a torch generator (OS-seeded unless ``seed`` is given).
-
-    Wrapped to be drawn ahead (:mod:`dpfy.noise_ahead`); the run's checkpoints save this object,
-    whose state accounts for a draw made but not yet used.
-    """
-    return NoiseAhead(SecureNoise() if secure else TorchNoise(seed=seed))
+def noise_source(secure: bool, seed: int | None) -> NoiseSource:
+    """The OS CSPRNG when asked, else a torch generator (OS-seeded unless ``seed`` is given)."""
+    return SecureNoise() if secure else TorchNoise(seed=seed)
 
 
 def with_virtual_batches(

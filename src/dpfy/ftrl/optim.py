@@ -119,10 +119,6 @@ class DPFTRLOptimizer(DPOptimizer):
         self._velocity = {name: torch.zeros_like(p) for name, p in params.items()}
         self.steps_done = 0
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``p.grad`` (the tree draws its own noise: nothing is drawn ahead)."""
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Clip this batch; at the end of a logical batch, account, add tree noise and update."""
         loss = None

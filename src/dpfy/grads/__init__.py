@@ -44,17 +44,11 @@ groups=None, noise=None, scale=1.0)``
     pass is discarded, so an optimizer cannot step on it by accident. An empty batch (n = 0), or
     no backward since the last call, adds nothing and reports 0 examples; it never raises, and
     the optimizer must still add noise (DESIGN rule 3). ``noise`` (a :class:`NoiseStart`, on
-    the last physical batch of a logical batch) opens the named parameters' sums from noise
-    filled in on a worker thread while the engine sums (each exactly once, also on an empty
-    batch); see :class:`dpfy.optim.DPOptimizer`.
-
-``engine.begin_sum(initial)`` / ``engine.summing`` / ``engine.noise_tail()``
-    Start the next logical batch's sum from given tensors (the private optimizer passes the
-    noise it drew ahead) instead of zeros: clipped sums are then added into them in place
-    (rules with ``add_clipped_sum`` write their products straight in), so a step holds no second
-    parameter-sized buffer. ``summing`` says whether a logical batch's sum is open.
-    ``noise_tail()`` names the parameters of the layer the engine sums last, whose noise the
-    optimizer fills in during the clip instead of holding it through forward and backward.
+    the last physical batch of a logical batch) opens the named parameters' sums from their
+    noise just before each layer is summed (each exactly once, also on an empty batch); clipped
+    sums are then added into them in place (rules with ``add_clipped_sum`` write their products
+    straight in), so a step holds no second parameter-sized buffer; see
+    :class:`dpfy.optim.DPOptimizer`. ``engine.summing`` says whether a logical batch's sum is open.
 
 ``engine.summed_grads() -> dict[str, Tensor]``
     The accumulated clipped sum for *every* trainable parameter, keyed by the name it has in

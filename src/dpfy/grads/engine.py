@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from dpfy._validate import check_count, check_positive
 from dpfy.grads.capture import Call, Tap, Taps
 from dpfy.grads.layout import Units
-from dpfy.grads.registry import Into, find_rule
+from dpfy.grads.registry import find_rule
 from dpfy.grads.substitutions import Substitution, restore
 
 __all__ = ["ClipResult", "GradEngine", "LossReduction", "NoiseStart"]
@@ -44,37 +44,23 @@ class ClipResult:
 
 
 class NoiseStart(Protocol):
-    """How some parameters' sums start from noise filled in during the clip phase.
+    """How the parameters' sums start from their noise on the last physical batch of a step.
 
-    The private optimizer draws most of a step's noise ahead (:mod:`dpfy.noise_ahead`); for the
-    parameters in ``names`` it passes this on the last physical batch of a logical batch instead.
-    The engine then opens each one's running sum just before its layer is summed, as an
-    uninitialised tensor that ``fill`` starts filling with noise on the worker thread (rules
-    write into it only as rows become ready), and hands a sum that already existed (earlier
-    physical batches) to ``add`` once it is complete. Each name gets exactly one of the two.
+    The engine opens each named parameter's running sum just before its layer is summed, as a
+    tensor ``fill`` writes the noise into, and rules add their products into it in place (one
+    parameter-sized buffer per parameter, and the noise drawn when it is needed, not held
+    through the forward and backward passes). A sum that already existed (earlier physical
+    batches) gets its noise from ``add`` once it is complete. Each name gets exactly one.
     """
 
     names: frozenset[str]
 
-    def fill(self, name: str, out: Tensor) -> Callable[[int], int] | None:
-        """Start filling ``out``, the sum of parameter ``name``, with noise, rows in order.
-
-        Returns ``ready(rows)`` (waits for ``rows`` rows, returns how many are filled by then);
-        None: ``out`` is filled already (drawn on this thread), so rules may add into it in one
-        product rather than block by block.
-        """
+    def fill(self, name: str, out: Tensor) -> None:
+        """Overwrite ``out``, the sum of parameter ``name`` about to be opened, with noise."""
         ...
 
     def add(self, name: str, total: Tensor) -> None:
         """Add noise into the finished sum of parameter ``name``."""
-        ...
-
-    def start_head(self, name: str) -> None:
-        """The layer summed now comes just before ``name``'s: start drawing its first rows.
-
-        Called by an engine whose :meth:`GradEngine.noise_head` names ``name``, as the product
-        of the layer before that parameter's begins; ``fill`` or ``add`` then puts those rows in.
-        """
         ...
 
 
@@ -106,7 +92,6 @@ class GradEngine:
         self._acc: dict[str, Tensor] = {}
         self._summing = False  # a logical batch's sum is open (begun, or added to)
         self._noised: set[str] = set()  # NoiseStart names already given their noise this call
-        self._filling: dict[str, Into] = {}  # sums opened from noise this call, with their wait
         self.num_examples = 0  # examples accumulated since the last reset
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._state_before: list[tuple[int, int]] = []
@@ -180,13 +165,12 @@ class GradEngine:
             # The norms and sums are data, not part of any graph: under autograd every layer's
             # captured tensors would stay alive in their history until the step ended.
             with torch.no_grad():
-                self._noised, self._filling = set(), {}
+                self._noised = set()
                 result = self._clip_batch(clip, loss_reduction, group, groups, noise, scale)
                 if noise is not None:
                     self._finish_noise(noise)
                 return result
         finally:
-            self._filling = {}  # the running sums stay in the accumulator only
             self._release()
 
     def _clip_batch(
@@ -218,22 +202,6 @@ class GradEngine:
         self._accumulate(factors * (scale * sum_scale), noise)
         self.num_examples += n
         return ClipResult(norms.detach(), n, units.count)
-
-    def begin_sum(self, initial: dict[str, Tensor]) -> None:
-        """Start the next logical batch's sum from ``initial`` (e.g. its noise), not from zeros.
-
-        The engine then owns these tensors and adds every clipped sum into them in place, so a
-        private step holds one parameter-sized buffer, not two. One tensor per trainable
-        parameter, shaped like it.
-        """
-        self._require_attached()
-        if self._summing:
-            raise RuntimeError("a logical batch is already being summed; reset() it first")
-        for name, value in initial.items():
-            if name not in self.params or value.shape != self.params[name].shape:
-                raise ValueError(f"begin_sum: '{name}' is not a trainable parameter of this shape")
-        self._acc = {name: value.detach() for name, value in initial.items()}
-        self._summing = True
 
     @property
     def summing(self) -> bool:
@@ -283,56 +251,35 @@ class GradEngine:
         """Σ_u weights[u]·grad_u by parameter name, for the calls of the last norms."""
         raise NotImplementedError
 
-    def noise_tail(self) -> frozenset[str]:
-        """Parameters whose noise is best filled during the clip phase, not drawn ahead.
-
-        The fast engine sums layer by layer and names the layer it sums last; this engine
-        names none (all noise can be drawn ahead).
-        """
-        return frozenset()
-
-    def noise_head(self) -> str | None:
-        """The tail parameter whose first rows the clip phase needs first, if it adds by rows.
-
-        Its first blocks of noise are worth drawing ahead (:data:`dpfy.noise_ahead.HEAD_BLOCKS`):
-        the product into them can start before the worker has drawn anything. None here.
-        """
-        return None
-
     def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:
         """Add Σ_u weights[u]·grad_u into the running sums (engines may add in place)."""
         for name, value in self._unit_weighted_sums(weights).items():
             self._add_into(name, self._slot(name, noise), value)
 
-    def _slot(self, name: str, noise: NoiseStart | None) -> Into | None:
+    def _slot(self, name: str, noise: NoiseStart | None) -> Tensor | None:
         """The running sum of ``name`` to add into; opened from noise where ``noise`` says so.
 
         None: no sum yet and no noise to start from — the first sum becomes the running sum.
-        A sum opened from noise earlier in this call keeps its wait: its fill may be running.
         """
-        if name in self._filling:
-            return self._filling[name]
         if name in self._acc:
-            return Into(self._acc[name])
+            return self._acc[name]
         if noise is None or name not in noise.names or name in self._noised:
             return None
         self._noised.add(name)
         total = torch.empty_like(self.params[name], memory_format=torch.contiguous_format)
+        noise.fill(name, total)
         self._acc[name] = total
         self._summing = True
-        self._filling[name] = Into(total, noise.fill(name, total))
-        return self._filling[name]
+        return total
 
-    def _add_into(self, name: str, slot: Into | None, value: Tensor) -> None:
-        """Add one parameter's sum into its slot once the slot is ready (or start the sum)."""
+    def _add_into(self, name: str, slot: Tensor | None, value: Tensor) -> None:
+        """Add one parameter's sum into its running sum (or start the sum with it)."""
         if slot is None:
             self._add(name, value)
             return
-        slot.wait_all()
-        total = slot.tensor
-        if value.shape != total.shape or value.dtype != total.dtype:  # (two calls fewer if not)
-            value = value.reshape(total.shape).to(total.dtype)
-        total.add_(value)
+        if value.shape != slot.shape or value.dtype != slot.dtype:  # (two calls fewer if not)
+            value = value.reshape(slot.shape).to(slot.dtype)
+        slot.add_(value)
 
     def _finish_noise(self, noise: NoiseStart) -> None:
         """Give every named parameter its noise: sums formed before get it added, others filled."""

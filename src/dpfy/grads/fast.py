@@ -20,7 +20,7 @@ from torch import Tensor
 from dpfy.grads.capture import Call, Tap, release
 from dpfy.grads.engine import GradEngine, NoiseStart
 from dpfy.grads.layout import Units, prepare_call
-from dpfy.grads.registry import Into, LayerRule, find_rule
+from dpfy.grads.registry import LayerRule, find_rule
 from dpfy.grads.rows import Rows
 
 __all__ = ["FastEngine"]
@@ -38,11 +38,6 @@ class FastEngine(GradEngine):
         super().__init__(*args, **kwargs)
         self._pending: list[_Pending] = []
         self._layer_names = {tap.name: self._names_of(tap) for tap in self._taps.taps}
-        tail = next((tap for tap in self._taps.taps if tap.trainable), None)
-        self._tail = frozenset() if tail is None else frozenset(self._model_names(tail).values())
-        self._head = None
-        if tail is not None and self._rule(tail).fills_in_blocks:
-            self._head = next(iter(self._model_names(tail).values()))  # the largest, opened first
 
     def _rule(self, tap: Tap) -> type[LayerRule]:
         """The tap's rule (``make_engine`` checked that there is one)."""
@@ -96,11 +91,8 @@ class FastEngine(GradEngine):
     def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:
         """Add each layer's clipped sum into the running sums (in place where its rule can).
 
-        With ``noise``, a named parameter's sum is opened from noise just before its layer is
-        summed; for a layer whose rule cannot overlap the fill with its own product (not
-        ``fills_in_blocks``) the fill starts one layer earlier, while the previous layer sums.
-        For one that can, the first rows of its head parameter (:meth:`noise_head`) start being
-        drawn one layer earlier instead (:meth:`NoiseStart.start_head`).
+        With ``noise``, a named parameter's sum is opened from its noise just before its layer
+        is summed, so the product adds into it and no second parameter-sized tensor is held.
         """
         try:
             while self._pending:  # release each layer's captures as soon as it is summed
@@ -111,8 +103,6 @@ class FastEngine(GradEngine):
                     for local, name in names.items()
                     if (slot := self._slot(name, noise)) is not None
                 }
-                if noise is not None and self._pending:
-                    into = self._start_next_noise(noise, names, into)
                 if grouped is not None:
                     sums = {name: rows.weighted_sum(weights) for name, rows in grouped.items()}
                 else:
@@ -125,31 +115,6 @@ class FastEngine(GradEngine):
         finally:
             self._pending = []
 
-    def _start_next_noise(
-        self, noise: NoiseStart, names: dict[str, str], into: dict[str, Into]
-    ) -> dict[str, Into]:
-        """Start the next layer's noise while this one (``names``, ``into``) sums; its slots.
-
-        A head starts just as this layer's largest product begins (its slot announces it): the
-        worker then wakes while that product runs, not amid the short kernels before it, each of
-        which would hand it the interpreter lock and leave the training thread waiting to take
-        it back (see :mod:`dpfy.noise_ahead`).
-        """
-        upcoming_tap, upcoming_rule = self._pending[-1][:2]
-        upcoming = self._model_names(upcoming_tap).values()
-        if not upcoming_rule.fills_in_blocks:
-            for name in upcoming:
-                self._slot(name, noise)  # opened now: its noise fills meanwhile
-            return into
-        head = self._head
-        if head is None or head not in upcoming:
-            return into
-        largest = next(iter(names), None)
-        if largest not in into:  # no running sum to announce it: start it now
-            noise.start_head(head)
-            return into
-        return {**into, largest: into[largest].announced(lambda: noise.start_head(head))}
-
     def _model_names(self, tap: Tap) -> dict[str, str]:
         """The layer's trainable parameters, largest first: local name → name in the model."""
         return self._layer_names[tap.name]
@@ -158,11 +123,3 @@ class FastEngine(GradEngine):
         """:meth:`_model_names` of one layer, worked out once when the engine is made."""
         local = {self._names[id(getattr(tap.module, n))]: n for n in tap.trainable}
         return {local[name]: name for name in self._largest_first(local)}
-
-    def noise_tail(self) -> frozenset[str]:
-        """Parameters of the layer summed last (the first watched layer with parameters)."""
-        return self._tail
-
-    def noise_head(self) -> str | None:
-        """The tail layer's largest parameter, when its rule adds its product by rows as filled."""
-        return self._head

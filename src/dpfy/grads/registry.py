@@ -14,8 +14,6 @@ never dispatch on layer types with if/elif.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -25,67 +23,7 @@ if TYPE_CHECKING:
     from dpfy.grads.capture import Call
     from dpfy.grads.rows import Rows
 
-__all__ = ["Into", "LayerRule", "find_rule", "register_rule", "registered_layers", "row_blocks"]
-
-
-#: Fewest values in one block of :func:`row_blocks` (smaller blocks cost more than they save).
-MIN_BLOCK = 1 << 14
-
-
-@functools.lru_cache(maxsize=256)
-def row_blocks(rows: int, row_size: int = 1) -> tuple[tuple[int, int], ...]:
-    """Blocks of rows in which a running sum is filled with noise and a product added into it.
-
-    The first block is 1/32 of the rows (at least ``MIN_BLOCK`` values of ``row_size`` each)
-    and each next one doubles (1/32, 1/32, 1/16, …, 1/2): whoever adds into the rows waits
-    only for a small first block, then stays behind the fill. Worked out once per shape (cached:
-    a step asks for the same few shapes every time).
-    """
-    size = max(1, -(-rows // 32), -(-MIN_BLOCK // max(row_size, 1)))
-    blocks = [(0, min(rows, size))]
-    while blocks[-1][1] < rows:
-        start = blocks[-1][1]
-        blocks.append((start, min(rows, start + size)))
-        size *= 2  # the second block is as small as the first; then each doubles
-    return tuple(blocks)
-
-
-@dataclasses.dataclass(frozen=True)
-class Into:
-    """A running sum a rule may add into in place, and when its rows may be written.
-
-    ``ready(rows)`` blocks until the first ``rows`` rows (dim 0) hold their starting values —
-    noise being filled in on the worker thread (:class:`dpfy.grads.engine.NoiseStart`) — and
-    returns how many rows do by then (at least ``rows``); None: the tensor is ready as it is.
-    """
-
-    tensor: Tensor
-    ready: Callable[[int], int] | None = None
-
-    def wait_all(self) -> None:
-        """Block until every row is ready."""
-        if self.ready is not None:
-            self.ready(self._rows)
-
-    def announced(self, callback: Callable[[], None]) -> Into:
-        """This slot, calling ``callback`` once, when a rule first waits for its rows.
-
-        Rules wait for rows right before writing them, so the callback runs just before the
-        product into this sum starts (how the fast engine times the next layer's noise head).
-        """
-        ready, rows, pending = self.ready, self._rows, [callback]
-
-        def first_ready(upto: int) -> int:
-            while pending:
-                pending.pop()()
-            return rows if ready is None else ready(upto)
-
-        return Into(self.tensor, first_ready)
-
-    @property
-    def _rows(self) -> int:
-        """Rows of the sum (a scalar is one row)."""
-        return self.tensor.shape[0] if self.tensor.dim() else 1
+__all__ = ["LayerRule", "find_rule", "register_rule", "registered_layers"]
 
 
 class LayerRule:
@@ -95,10 +33,6 @@ class LayerRule:
     #: gradient (the rule recomputes it, clipped). Only for layers whose forward is pure: the
     #: output may be re-rooted as a fresh leaf when no input requires grad.
     skip_param_grad: ClassVar[bool] = True
-
-    #: Whether ``add_clipped_sum`` writes a large parameter's sum block of rows by block of rows
-    #: (waiting on ``Into.ready`` per block), so noise filled in meanwhile overlaps the product.
-    fills_in_blocks: ClassVar[bool] = False
 
     #: Channels-first layers (convolutions, GroupNorm) see the batch in dim 0 even in a
     #: sequence-first model; see :func:`dpfy.grads.engine.GradEngine` on ``batch_first``.
@@ -133,13 +67,13 @@ class LayerRule:
 
     @classmethod
     def add_clipped_sum(
-        cls, layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Into]
+        cls, layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
-        """Add the weighted sum into ``into[name].tensor`` in place where that saves a temporary.
+        """Add the weighted sum into ``into[name]`` in place where that saves a temporary.
 
         ``into`` holds the engine's running sum (shaped like the parameter) for the parameters
         that have one. Rules of large layers add their product straight into it (e.g.
-        ``addmm_``, after ``ready``), so a step never holds a second parameter-sized tensor;
+        ``addmm_``), so a step never holds a second parameter-sized tensor;
         whatever a rule does not add in place it returns, like :meth:`clipped_sum`, and the
         engine adds it. Default: nothing in place.
         """

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from dpfy.grads.norms import sq_norm
-from dpfy.grads.registry import Into, row_blocks
 
 __all__ = [
     "bias_sq_norms",
@@ -93,20 +92,17 @@ def weighted_weight_sum(
     g: Tensor,
     weights: Tensor,
     unit_grads: Tensor | None = None,
-    into: Into | None = None,
+    into: Tensor | None = None,
 ) -> Tensor:
     """Σ_u w_u Σ_t g_ut a_utᵀ as one matrix product: (U, T, d), (U, T, p), (U,) → (p, d).
 
     With ``unit_grads`` (U, p, d) from :func:`weight_sq_norms`, a weighted sum of those instead.
     With ``into`` ((p, d) running sum) the sum is added into it in place (no (p, d) temporary)
-    and returned; while its noise is being filled in, block by block of rows as they are ready.
+    and returned.
     """
     if unit_grads is not None:
         total = torch.tensordot(weights.to(unit_grads.dtype), unit_grads, dims=1)
-        if into is None:
-            return total
-        into.wait_all()
-        return into.tensor.add_(total)
+        return total if into is None else into.add_(total)
     w = weights.to(a.dtype)[:, None, None]
     if a.shape[2] <= g.shape[2]:
         a = a * w
@@ -115,24 +111,13 @@ def weighted_weight_sum(
     return product_into(g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2]), into)
 
 
-def product_into(left: Tensor, right: Tensor, into: Into | None) -> Tensor:
-    """``left @ right``, or added into ``into`` in place (by blocks of rows as they are ready)."""
+def product_into(left: Tensor, right: Tensor, into: Tensor | None) -> Tensor:
+    """``left @ right``, or added into ``into`` in place (one product, no temporary)."""
     if into is None:
         return left @ right
-    out = into.tensor
-    if out.dtype != left.dtype:
-        into.wait_all()
-        return out.add_(left @ right)
-    if into.ready is None:  # one product (blocks would repack ``right`` once per block)
-        return out.addmm_(left, right)
-    start = 0
-    for _, end in row_blocks(out.shape[0], out.shape[1]):
-        if end <= start:
-            continue
-        stop = into.ready(end)  # every row filled by now, not just this block's: fewer products
-        out[start:stop].addmm_(left[start:stop], right)
-        start = stop
-    return out
+    if into.dtype != left.dtype:
+        return into.add_(left @ right)
+    return into.addmm_(left, right)
 
 
 def weighted_bias_sum(

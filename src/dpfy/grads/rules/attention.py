@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from dpfy.grads.capture import Call
 from dpfy.grads.layout import flatten_positions, group_positions
-from dpfy.grads.registry import Into, LayerRule, register_rule
+from dpfy.grads.registry import LayerRule, register_rule
 from dpfy.grads.rules._bilinear import (
     bias_sq_norms,
     gram,
@@ -73,7 +73,7 @@ class InProjectionRule(LayerRule):
 
     @staticmethod
     def add_clipped_sum(  # type: ignore[override]
-        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Into]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
         """Each projection's product goes straight into its rows of the running sum if any."""
         pairs = _pairs(layer, call)
@@ -86,8 +86,7 @@ class InProjectionRule(LayerRule):
             rows[name] = start + size
             slot = into.get(name)
             if slot is not None:
-                slot.wait_all()
-                slot = Into(slot.tensor[start : start + size])
+                slot = slot[start : start + size]
             block = weighted_weight_sum(a, g, weights, call.cache.get(str(j)), slot)
             if slot is None:
                 blocks.setdefault(name, []).append(block)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from dpfy.grads.capture import Call
 from dpfy.grads.layout import group_positions
-from dpfy.grads.registry import Into, LayerRule, register_rule
+from dpfy.grads.registry import LayerRule, register_rule
 
 
 def _indices_and_grads(layer: nn.Embedding, call: Call) -> tuple[Tensor, Tensor]:
@@ -53,14 +53,13 @@ class EmbeddingRule(LayerRule):
 
     @staticmethod
     def add_clipped_sum(  # type: ignore[override]
-        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Into]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
         """Scatter-add straight into the running sum when there is one (no vocabulary temp)."""
         idx, g = _indices_and_grads(layer, call)
         rows = (g * weights.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
         slot = into.get("weight")
-        if slot is not None and slot.tensor.dtype == rows.dtype:
-            slot.wait_all()
-            slot.tensor.index_add_(0, idx.reshape(-1), rows)
+        if slot is not None and slot.dtype == rows.dtype:
+            slot.index_add_(0, idx.reshape(-1), rows)
             return {}
         return {"weight": g.new_zeros(layer.weight.shape).index_add_(0, idx.reshape(-1), rows)}

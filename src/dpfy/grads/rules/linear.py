@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from dpfy.grads.capture import Call
 from dpfy.grads.layout import flatten_positions, group_positions
 from dpfy.grads.norms import sq_norm
-from dpfy.grads.registry import Into, LayerRule, register_rule
+from dpfy.grads.registry import LayerRule, register_rule
 from dpfy.grads.rules._bilinear import (
     bias_sq_norms,
     product_into,
@@ -27,8 +27,6 @@ def _units(x: Tensor, group: int) -> Tensor:
 @register_rule(nn.Linear)
 class LinearRule(LayerRule):
     """Weight gradient Σ_t g_t a_tᵀ, bias gradient Σ_t g_t, per unit."""
-
-    fills_in_blocks = True
 
     @staticmethod
     def sq_norms(layer: nn.Module, call: Call) -> Tensor:
@@ -55,7 +53,7 @@ class LinearRule(LayerRule):
 
     @staticmethod
     def add_clipped_sum(  # type: ignore[override]
-        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Into]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
         """The weight's product is added straight into the running sum when there is one."""
         single = _one_position(call)
@@ -90,7 +88,7 @@ def _one_position(call: Call) -> tuple[Tensor, Tensor] | None:
     return (a.select(1, 0), g.select(1, 0)) if a.shape[1] == 1 else None
 
 
-def _rank_one_sums(a: Tensor, g: Tensor, weights: Tensor, slot: Into | None) -> dict[str, Tensor]:
+def _rank_one_sums(a: Tensor, g: Tensor, weights: Tensor, slot: Tensor | None) -> dict[str, Tensor]:
     """One position, weight and bias: Σ_u w_u g_u a_uᵀ and Σ_u w_u g_u from one scaled g.
 
     The bias sum is the column sum of the scaled g, read while it is still in cache rather than
