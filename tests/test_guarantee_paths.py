@@ -203,17 +203,29 @@ def test_a_step_with_no_batch_drawn_is_refused():
     assert_refused_unchanged(private, "not drawn by the run's private loader")
 
 
-def test_after_a_refusal_the_next_loader_batch_trains_normally():
+def test_a_skipped_batch_is_refused_and_a_reload_goes_on():
     private = private_run()
+    start = private.state_dict()
     batches = iter(private.loader)
+    next(batches)  # drawn, looked at, never stepped on: a data-dependent skip
     backward(private, next(batches))
-    backward(private, next(batches))
-    with pytest.raises(ValueError, match="more than one loader batch"):
-        private.optimizer.step()
+    assert_refused_unchanged(private, "skipped")
+    private.load_state_dict(start)
     private.optimizer.zero_grad()
-    backward(private, next(batches))
+    backward(private, next(iter(private.loader)))
     private.optimizer.step()
     assert private.ledger.steps == 1
+
+
+def test_a_checkpoint_taken_mid_batch_resumes_on_that_batch():
+    private = private_run()
+    trained(private, 2)
+    batch = next(iter(private.loader))  # in hand, not stepped on
+    state = private.state_dict()
+    resumed = private_run()
+    resumed.load_state_dict(state)
+    again = next(iter(resumed.loader))
+    assert all(torch.equal(a, b) for a, b in zip(batch, again, strict=True))
 
 
 # -- 5. data-dependent writes outside clipping ------------------------------------------------
@@ -298,7 +310,7 @@ def test_ftrl_step_after_a_skipped_batch_is_refused():
     batches = iter(private.loader)
     next(batches)  # drawn, never stepped on
     backward(private, next(batches))
-    assert_refused_unchanged(private, "trees are at batch 0 of the epoch")
+    assert_refused_unchanged(private, "skipped")
 
 
 def test_ftrl_tree_positions_follow_the_loader_across_epochs():
@@ -375,7 +387,7 @@ def test_vmap_bias_owned_by_parent_and_child_is_counted_once():
 
 
 def trained(private: dpfy.PrivateTraining, steps: int) -> dpfy.PrivateTraining:
-    for batch, _ in zip(private.loader, range(steps), strict=False):
+    for _, batch in zip(range(steps), private.loader, strict=False):
         private.optimizer.zero_grad()
         backward(private, batch)
         private.optimizer.step()
@@ -460,6 +472,27 @@ def test_a_resumed_checkpoint_continues_exactly():
     torch.testing.assert_close(flat(private.model), flat(resumed.model), rtol=0, atol=0)
     assert resumed.ledger.steps == private.ledger.steps == 5
     assert resumed.run_id == private.run_id
+
+
+def test_going_back_to_an_earlier_checkpoint_keeps_what_was_spent(tmp_path):
+    private = trained(private_run(), 2)
+    path = private.save(tmp_path / "early.pt")
+    trained(private, 3)
+    spent = private.epsilon()
+    private.load(path)
+    assert private.ledger.steps == 2  # the model and sampler are back at step 2 ...
+    assert private.epsilon() >= spent * (1 - 1e-9)  # ... but the 3 released steps still count
+    trained(private, 1)
+    private.load_state_dict(copy.deepcopy(private.state_dict()))  # binds: 3 steps, 3 stepped
+
+
+def test_a_frozen_parameter_holding_a_stale_gradient_is_named():
+    model = mlp()
+    nn.functional.cross_entropy(model(torch.randn(4, 5)), torch.zeros(4).long()).backward()
+    model[0].requires_grad_(False)  # frozen after pretraining, its .grad left behind
+    private = private_run(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    backward(private, next(iter(private.loader)))
+    assert_refused_unchanged(private, "holds a .grad")
 
 
 # -- 12. secure mode covers sampling too ------------------------------------------------------

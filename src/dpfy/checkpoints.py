@@ -4,7 +4,8 @@ A resumed run continues the ledger it loads, so a checkpoint must not be able to
 that is not the one the run kept: one from an earlier checkpoint (fewer steps), another run's, an
 emptied one, or a file whose bytes changed on disk. The digest (SHA-256 over every key, type,
 shape and byte) catches any change to the file's content; the binding check in
-:mod:`dpfy.session` catches parts that were put together from different places.
+:mod:`dpfy.session` catches parts that were put together from different places. The digest is
+integrity, not authentication: whoever can run dpfy can also seal an edited checkpoint.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def unseal(state: Any) -> dict[str, Any]:
     if state["digest"] != state_digest(body):
         raise ValueError(
             "the checkpoint's content does not match its digest: it was corrupted or edited "
-            "after it was written. Nothing was loaded — resume from an intact checkpoint"
+            "after it was written (an in-memory state_dict() shares tensors with the live run, "
+            "so training on changes it: save it with PrivateTraining.save or deep-copy it). "
+            "Nothing was loaded — resume from an intact checkpoint"
         )
     return body
 

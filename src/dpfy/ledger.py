@@ -370,6 +370,19 @@ class PrivacyLedger:
             self._epsilon_cache[key] = self._compose(counts).epsilon(delta)
         return self._epsilon_cache[key]
 
+    def spent_beyond(self, earlier: PrivacyLedger) -> dict[tuple[str, DpEvent], int]:
+        """The releases this ledger holds that ``earlier`` does not, by label and event.
+
+        What a run loses from its ledger when it goes back to an earlier checkpoint: those steps
+        were released (losses seen, models saved), so the rewound run must carry them.
+        """
+        counts: dict[tuple[str, DpEvent], int] = {}
+        for entries, sign in ((self._entries, 1), (earlier._entries, -1)):
+            for entry in entries:
+                key = (entry.label, entry.event)
+                counts[key] = counts.get(key, 0) + sign * entry.count
+        return {key: n for key, n in counts.items() if n > 0}
+
     def _event_counts(self, label: str | None, poisson: bool) -> dict[DpEvent, int]:
         """How often each distinct event ran, for one label or all (None)."""
         counts: dict[DpEvent, int] = {}

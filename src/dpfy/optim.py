@@ -236,13 +236,20 @@ class DPOptimizer(torch.optim.Optimizer):
             for param in group["params"]:
                 if id(param) in self._private:
                     continue
-                if param.requires_grad or param.grad is not None:
+                if param.requires_grad:
                     raise BatchRefused(
                         f"a parameter of shape {tuple(param.shape)} in the optimizer is "
                         "trainable but was frozen (or absent) when the run was made private, so "
-                        "its gradient would be applied unclipped and un-noised; freeze or unfreeze "
-                        "layers before make_private (for gradual unfreezing, make the run "
-                        "private again, with its ledger, after each change)"
+                        "its gradient would be applied unclipped and un-noised. Make every layer "
+                        "you will train trainable before make_private; to unfreeze gradually, "
+                        "keep the layers not yet unfrozen at lr=0 in a parameter group of their "
+                        "own and raise it later"
+                    )
+                if param.grad is not None:
+                    raise BatchRefused(
+                        f"a frozen parameter of shape {tuple(param.shape)} holds a .grad (from "
+                        "before make_private?) that the optimizer would apply un-noised; call "
+                        "optimizer.zero_grad() before the first step"
                     )
 
     def _guarded(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -40,12 +40,14 @@ from dpfy.distributed import (
     trainable_shapes,
 )
 from dpfy.grads import EngineChoice, GradEngine, LossReduction, make_engine
-from dpfy.ledger import PrivacyLedger
+from dpfy.ledger import TRAINING, PrivacyLedger
 from dpfy.noise import NoiseSource, SecureNoise, TorchNoise
 from dpfy.optim import BatchBoundary, DPOptimizer, NoiseSettings
 from dpfy.settings import PrivacySettings
 from dpfy.virtual import VirtualBatchLoader
 
+#: The ledger label of steps taken after a checkpoint that the run then went back to.
+REWOUND = "rewound steps"
 CHECKPOINT_FORMAT = FORMAT
 CHECKPOINT_VERSION = VERSION
 
@@ -113,7 +115,9 @@ class PrivateTraining:
         """Resume from :meth:`state_dict`; all or nothing — on any error nothing has changed.
 
         Refused: a checkpoint whose content changed since it was written, or whose ledger does
-        not belong with its sampler state (another run's, an earlier one, an emptied one).
+        not belong with its sampler state (another run's, an earlier one, an emptied one). Going
+        back to an earlier checkpoint of this same run keeps what was spent since: those steps
+        are carried in the ledger as :data:`REWOUND` releases, so ε never goes down.
         """
         state = unseal(state)
         mine = self.replicas.mine(state["loader"])  # another number of ranks: refused by name
@@ -145,7 +149,12 @@ class PrivateTraining:
             raise ValueError(
                 f"the checkpoint does not fit this run ({err}); nothing was loaded"
             ) from None
+        rewound = self.ledger.spent_beyond(ledger) if ledger.run_id == self.run_id else {}
         self.ledger.load_state_dict(ledger.state_dict())
+        for (label, event), count in rewound.items():
+            self.ledger.record_event(
+                event, label=REWOUND if label == TRAINING else label, count=count
+            )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write a checkpoint atomically: a crash mid-write never destroys the previous one.

@@ -125,11 +125,16 @@ class DPDataLoader(DataLoader):
         self.provenance.publish(size, units, position, unit)
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler state as of the batches handed out (not those prefetched by workers)."""
-        state = self.dp_sampler.state_dict(position=self._consumed)
-        state["provenance"] = self.provenance.state_dict()
+        """The sampler state as of the batches stepped on (not those prefetched by workers).
+
+        A batch handed out but not stepped on yet (a checkpoint taken mid-batch) is drawn
+        again on resume, so the resumed run steps on exactly the batches this one would have.
+        """
+        back = 1 if self.provenance.pending == 1 and self._consumed >= 1 else 0
+        state = self.dp_sampler.state_dict(position=self._consumed - back)
+        state["provenance"] = self.provenance.state_dict(back)
         if self.microbatches is not None:
-            state["microbatches"] = self.microbatches.state_dict()
+            state["microbatches"] = self.microbatches.state_dict(back=bool(back))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

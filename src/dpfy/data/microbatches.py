@@ -26,14 +26,19 @@ class MicrobatchSlots:
         self.microbatch_size = check_count("microbatch_size", microbatch_size, minimum=1)
         self.slots = max(1, math.ceil(expected_batch_size / self.microbatch_size))
         self._source = source
+        self._before = source.get_state()  # the stream before the last draw (see state_dict)
 
     def draw(self, examples: int) -> torch.Tensor:
         """One slot id per example (int64), each drawn independently and uniformly."""
+        self._before = self._source.get_state()
         return self._source.integers(examples, self.slots)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The random stream, to resume the very slots an uninterrupted run would draw."""
-        return {"slots": self.slots, "rng": self._source.get_state()}
+    def state_dict(self, back: bool = False) -> dict[str, Any]:
+        """The random stream, to resume the very slots an uninterrupted run would draw.
+
+        ``back``: as it was before the last draw (its batch will be drawn again on resume).
+        """
+        return {"slots": self.slots, "rng": self._before if back else self._source.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream; a state for another number of slots is refused."""

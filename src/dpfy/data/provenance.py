@@ -55,7 +55,7 @@ class Provenance:
         self.current: DrawnBatch | None = None
         self.drawn = 0  # batches handed out since the run began
         self.stepped = 0  # batches consumed by a completed private step
-        self._consumed: int | None = None  # number of the last batch stepped on
+        self._next = 0  # the number the next step's batch must carry: none may be skipped
 
     def publish(
         self,
@@ -90,7 +90,7 @@ class Provenance:
                 "is not what the ledger accounts; draw batches with `for batch in "
                 "private.loader:` (one loader batch per step)"
             )
-        if batch.number == self._consumed:
+        if batch.number < self._next:
             raise BatchRefused(
                 "this batch was already used for a step; each step needs a fresh batch from the "
                 "private loader (a batch stepped on twice is accounted once but released twice)"
@@ -100,6 +100,14 @@ class Provenance:
                 "this step holds gradients of more than one loader batch (gradient accumulation "
                 "by hand); one step is one sampled batch: to split a batch over memory, pass "
                 "max_physical_batch_size to make_private instead"
+            )
+        if batch.number > self._next:
+            raise BatchRefused(
+                f"{batch.number - self._next} batch(es) drawn by the private loader since the "
+                "last step were skipped (never stepped on); whether a batch is used must not "
+                "depend on its data (skipping one reveals what it held), so step on every batch "
+                "the loader hands out, empty ones included. Nothing was changed; reload the last "
+                "checkpoint to go on"
             )
         return batch
 
@@ -114,12 +122,17 @@ class Provenance:
 
     def consume(self, batch: DrawnBatch) -> None:
         """A private step completed on ``batch``: it can never be stepped on again."""
-        self._consumed = batch.number
+        self._next = batch.number + 1
         self.stepped += 1
 
-    def state_dict(self) -> dict[str, Any]:
-        """Counters a checkpoint binds the ledger to."""
-        return {"drawn": self.drawn, "stepped": self.stepped}
+    @property
+    def pending(self) -> int:
+        """Batches handed out since the last step and not stepped on (normally 0 or 1)."""
+        return self.drawn - self._next
+
+    def state_dict(self, back: int = 0) -> dict[str, Any]:
+        """Counters a checkpoint binds the ledger to, ``back`` unstepped batches undrawn."""
+        return {"drawn": self.drawn - back, "stepped": self.stepped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the counters; the batch in hand (if any) is forgotten, not re-used."""
@@ -132,4 +145,4 @@ class Provenance:
         if stepped > drawn:
             raise ValueError(f"{stepped} batches stepped but only {drawn} drawn")
         self.drawn, self.stepped = drawn, stepped
-        self.current, self._consumed = None, None
+        self.current, self._next = None, drawn
