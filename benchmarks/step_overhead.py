@@ -4,13 +4,10 @@ Run: ``.venv/bin/python benchmarks/step_overhead.py [--models mlp cnn transforme
 Step times: all methods of a case in one process, interleaved step by step (at least ``--steps``
 rounds and at least ``--seconds`` of non-private steps); the ratio of medians is the headline,
 the ratio of fastest steps is printed and saved beside it (what the machine allows at best on a
-shared host). CPU time per step (all threads of the process) is measured alongside: dpfy draws
-noise on a worker thread while the model computes, so with ``--threads 1`` it may use a second
-core that non-private training leaves idle — the CPU-time ratio shows that cost, the wall-clock
-ratio what a user waits. Peak memory: two steps after a warm-up step, peak bytes held by torch's
-allocator above the model, batch and optimizer state (CUDA: ``max_memory_allocated``, in this
-process; CPU: the profiler's allocator events, in one subprocess per (case, method); they cover
-the training thread — dpfy's noise buffers are allocated there; the worker only fills them).
+shared host). CPU time per step (all threads of the process) is measured alongside. Peak
+memory: two steps after a warm-up step, peak bytes held by torch's allocator above the model,
+batch and optimizer state (CUDA: ``max_memory_allocated``, in this process; CPU: the profiler's
+allocator events, in one subprocess per (case, method)).
 Ratios are against non-private SGD of the same run; Opacus runs in each ``grad_sample_mode``
 that works.
 ``dpfy_*`` steps include clipping, Gaussian noise on every parameter and the SGD update;
@@ -18,8 +15,8 @@ that works.
 building a dpfy engine has ``malloc`` keep freed memory for the next step
 (:mod:`dpfy.cpu_allocator`); that is process-wide and happens before any step is timed, so every
 method here, non-private included, runs under it (``DPFY_KEEP_FREED_MEMORY=0``: none does).
-Results go to ``benchmarks/results/step_overhead.json`` (``--out``; the README's all-threads run
-writes ``step_overhead_all_threads.json``).
+Results go to ``benchmarks/results/step_overhead.json`` (``--out``; the README's run, at
+default threads, writes ``step_overhead_all_threads.json``).
 """
 
 from __future__ import annotations

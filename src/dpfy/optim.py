@@ -154,10 +154,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._private = {id(p) for p in engine.params.values()}
         self._noised = frozenset(engine.params)  # every trainable parameter, every step
 
-    #: The clipping unit this optimizer accounts for; the batch's units must be of this kind.
     @property
     def clipping_unit(self) -> str:
-        """'microbatch' with microbatch clipping, else 'example' (user level: 'user')."""
+        """The unit this optimizer accounts for ('example', 'microbatch'; user level: 'user')."""
         return "example" if self.settings.microbatch_size is None else "microbatch"
 
     @property
@@ -211,10 +210,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """The drawn batch this step uses, after refusing every other path into the update.
 
         Refused, with nothing changed: layer calls from anything but the batch the private
-        loader drew last (or from a batch already stepped on), a batch whose clipping units are
-        not this optimizer's, and a parameter the wrapped optimizer would update that the engine
-        does not clip and noise (unfrozen, or added with ``add_param_group``, after
-        make_private).
+        loader drew last (or from a batch already stepped on, or after one was skipped), a
+        batch whose clipping units are not this optimizer's, and a parameter the wrapped
+        optimizer would update that the engine does not clip and noise (unfrozen, or added with
+        ``add_param_group``, after make_private).
         """
         return self._guarded(self._checked_batch)
 
