@@ -287,6 +287,28 @@ def test_a_layer_rebinding_its_buffer_from_the_data_in_forward_is_refused():
     assert private.ledger.steps == 0
 
 
+def test_spectral_norm_power_iteration_is_not_a_write_from_the_data():
+    """Its u and v follow the weight matrix alone, so the run trains (auto picks an engine)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(5, 16)), nn.ReLU(), nn.Linear(16, 3))
+    private = private_run(model)
+    for _, batch in zip(range(2), private.loader, strict=False):
+        private.optimizer.zero_grad()
+        backward(private, batch)
+        private.optimizer.step()
+    assert private.ledger.steps == 2
+
+
+@pytest.mark.parametrize(
+    "parametrization",
+    [nn.utils.parametrizations.spectral_norm, nn.utils.parametrizations.weight_norm],
+)
+def test_a_parametrized_weight_is_refused_with_one_message(parametrization):
+    model = nn.Sequential(parametrization(nn.Linear(5, 16)), nn.ReLU(), nn.Linear(16, 3))
+    with pytest.raises(ValueError, match="parametrized weight"):
+        private_run(model)
+
+
 # -- 6. DP-FTRL steps follow the loader's epochs ----------------------------------------------
 
 

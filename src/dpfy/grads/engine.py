@@ -96,6 +96,7 @@ class GradEngine:
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._state_before: list[tuple[int, int]] = []
         self._modules = list(model.modules())  # whose parameters and buffers no forward may write
+        self._weight_only = _power_iteration_buffers(model)
         self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
         for tap in taps:
             if tap.module in WATCHED:
@@ -376,7 +377,7 @@ class GradEngine:
             for module in self._modules
             for tensors in (module._parameters, module._buffers)
             for tensor in tensors.values()
-            if tensor is not None
+            if tensor is not None and id(tensor) not in self._weight_only
         ]
 
     def _check_no_writes(self) -> None:
@@ -452,6 +453,25 @@ class GradEngine:
         """Engine kind and what it watches."""
         extra = f", fallback_reason={self.fallback_reason!r}" if self.fallback_reason else ""
         return f"{type(self).__name__}(kind={self.kind!r}, params={len(self.params)}{extra})"
+
+
+def _power_iteration_buffers(model: nn.Module) -> set[int]:
+    """Buffers a forward pass may update because they follow the weights, not the data.
+
+    Spectral normalisation's power-iteration vectors (``u``, ``v``) are refined from the weight
+    matrix alone at each training forward pass; both torch APIs keep them as buffers.
+    """
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    found: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, _SpectralNorm):
+            found.update((id(module._u), id(module._v)))
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, SpectralNorm):
+                found.update(id(getattr(module, hook.name + suffix)) for suffix in ("_u", "_v"))
+    return found
 
 
 def _unit_scale(base: float, units: Units, like: Tensor) -> Tensor | float:

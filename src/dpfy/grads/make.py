@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from dpfy.cpu_allocator import keep_freed_memory
 from dpfy.grads import rules as _rules  # noqa: F401 - registers the layer rules
@@ -89,6 +90,18 @@ def _contains(outer: str, inner: str) -> bool:
     return outer == "" or inner.startswith(outer + ".")
 
 
+def _refuse_parametrizations(model: nn.Module) -> None:
+    """A parametrized weight is recomputed by a call with no batch in it: no engine can run it."""
+    for name, module in model.named_modules():
+        if parametrize.is_parametrized(module):
+            raise ValueError(
+                f"layer '{name}' has a parametrized weight (torch.nn.utils.parametrize, e.g. "
+                "parametrizations.weight_norm or spectral_norm), whose per-example gradients no "
+                "engine here can compute; use torch.nn.utils.spectral_norm (the hook version) or "
+                "train the layer without the parametrization"
+            )
+
+
 def make_engine(
     model: nn.Module, engine: EngineChoice = "auto", *, batch_first: bool = True
 ) -> GradEngine:
@@ -110,6 +123,7 @@ def make_engine(
             f"the fast engine cannot run this model: {blocker}. "
             "Use make_engine(model, engine='vmap') or engine='auto'."
         )
+    _refuse_parametrizations(model)
     attention = _attention_blocker(model)
     if attention is not None:
         raise ValueError(f"no engine can run this model: {attention}")
