@@ -171,15 +171,16 @@ def _refusals(rank: int) -> dict[str, str]:
 
 
 def _out_of_step(rank: int) -> dict[str, str]:
-    """Rank 1 catches a non-finite gradient and carries on: both ranks must stop, not drift."""
+    """Rank 1 catches a non-finite gradient and retries: both ranks must stop, not drift.
+
+    (Moving on to the next batch instead is refused on that rank alone, as a skipped batch.)
+    """
     messages = {}
     private = private_run("fast")
-    batches = iter(private.loader)
+    x, y = next(iter(private.loader))
     if rank == 1:
-        x, y = next(batches)
         with contextlib.suppress(NonFiniteGradientError):  # the user's loop swallows it
             step(private, torch.full_like(x, float("nan")), y)
-    x, y = next(batches)
     try:
         step(private, x, y)
         messages["step"] = "not refused"
