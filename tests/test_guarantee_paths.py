@@ -534,3 +534,21 @@ def test_secure_noise_draws_sampling_from_the_os_too():
 def test_secure_noise_with_a_seed_is_refused():
     with pytest.raises(ValueError, match="no seed can"):
         private_run(secure_noise=True)
+
+
+# -- DataLoader options on the private loader -------------------------------------------------
+
+
+def test_workers_on_the_private_loader_train_the_same_run():
+    def run(options: dict | None) -> torch.Tensor:
+        private = private_run(steps=4, loader_options=options)
+        trained(private, 4)
+        assert private.ledger.steps == 4
+        return flat(private.model)
+
+    torch.testing.assert_close(run({"num_workers": 2}), run(None), rtol=0, atol=0)
+
+
+def test_loader_options_that_decide_the_sampling_are_refused():
+    with pytest.raises(ValueError, match="may not set batch_size, sampler"):
+        private_run(loader_options={"sampler": None, "batch_size": 3})

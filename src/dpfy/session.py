@@ -29,7 +29,7 @@ from dpfy.accounting.calibrate import smallest_noise_multiplier
 from dpfy.accounting.events import DpEvent, NeighbouringRelation, SelfComposedEvent
 from dpfy.checkpoints import FORMAT, VERSION, seal, unseal
 from dpfy.checks import check_model
-from dpfy.data.loader import DPDataLoader, dataset_size_of
+from dpfy.data.loader import DPDataLoader, checked_loader_options, dataset_size_of
 from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import check_batch_size
 from dpfy.distributed import (
@@ -227,6 +227,7 @@ def make_private(
     secure_noise: bool = False,
     seed: int | None = None,
     batch_first: bool = True,
+    loader_options: dict[str, Any] | None = None,
     distributed: bool | None = None,
     user_ids: torch.Tensor | None = None,
     max_examples_per_user: int | None = None,
@@ -248,7 +249,8 @@ def make_private(
     the expected number of users per step (:mod:`dpfy.user_level`). ``algorithm="dp-ftrl"``
     trains with DP-FTRL instead (:func:`dpfy.ftrl.make_private_ftrl`: SGD, fixed batches in
     "shuffle" (default) or "fixed-order" order, no sampling assumption); ``sampler=None`` means
-    Poisson for DP-SGD.
+    Poisson for DP-SGD. ``loader_options`` go to the private loader's ``DataLoader``
+    (``num_workers``, ``pin_memory``, ``collate_fn``, …; the batches stay the sampler's).
     """
     if algorithm != "dp-sgd":
         _refuse_process_group(f"algorithm={algorithm!r}", distributed)
@@ -278,6 +280,7 @@ def make_private(
         generator=generator,
         secure=secure_noise,
         microbatch_size=microbatch_size,
+        **checked_loader_options(loader_options),
     )
     record = loader.sampling_record
     sigma = _noise_multiplier(

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dpfy._validate import check_count, check_delta, check_positive
-from dpfy.data.loader import dataset_size_of
+from dpfy.data.loader import checked_loader_options, dataset_size_of
 from dpfy.data.records import SamplingKind
 from dpfy.data.user_sampling import (
     UserDataLoader,
@@ -113,6 +113,7 @@ def make_user_private(
     secure_noise: bool = False,
     seed: int | None = None,
     batch_first: bool = True,
+    loader_options: dict[str, Any] | None = None,
 ) -> PrivateTraining:
     """Make ``model`` + ``optimizer`` train with user-level DP-SGD (see the module docstring).
 
@@ -142,6 +143,7 @@ def make_user_private(
         max_examples_per_user=max_examples_per_user,
         generator=generator,
         secure=secure_noise,
+        **checked_loader_options(loader_options),
     )
     record = loader.sampling_record
     sigma = _noise_multiplier(

@@ -152,6 +152,20 @@ class DPDataLoader(DataLoader):
         self._consumed = self.dp_sampler.position
 
 
+def checked_loader_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """DataLoader options a private run may take; those that decide the sampling are refused."""
+    options = dict(options or {})
+    chosen = sorted(set(options) & {*_RESERVED, "sampler", "generator", "secure", "steps",
+                                    "epochs", "microbatch_size"})  # fmt: skip
+    if chosen:
+        raise ValueError(
+            f"loader_options may not set {', '.join(chosen)}: the private run draws its batches "
+            "itself (Poisson, or the sampler you chose); pass DataLoader options such as "
+            "num_workers or pin_memory only"
+        )
+    return options
+
+
 class EmptyBatchCollate:
     """Collate non-empty batches as usual; answer an empty one with a zero-row template.
 

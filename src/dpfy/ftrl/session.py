@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from dpfy._validate import check_count, check_positive
 from dpfy.accounting.events import NeighbouringRelation
-from dpfy.data.loader import DPDataLoader, dataset_size_of
+from dpfy.data.loader import DPDataLoader, checked_loader_options, dataset_size_of
 from dpfy.data.records import SamplingKind
 from dpfy.data.sampling import check_batch_size
 from dpfy.ftrl.accounting import ftrl_step_events, resolve_restart
@@ -67,6 +67,7 @@ def make_private_ftrl(
     secure_noise: bool = False,
     seed: int | None = None,
     batch_first: bool = True,
+    loader_options: dict[str, Any] | None = None,
 ) -> PrivateTraining:
     """Make ``model`` + an SGD ``optimizer`` train with DP-FTRL on ``train_dataset``.
 
@@ -103,6 +104,7 @@ def make_private_ftrl(
         generator=generator,
         secure=secure_noise,
         microbatch_size=microbatch_size,
+        **checked_loader_options(loader_options),
     )
     ledger = PrivacyLedger(
         delta, accountant=accountant, target_epsilon=target_epsilon, relation=RELATION
