@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from dpfy.cli import app
 from dpfy.data.idx import write_idx
-from dpfy.trainer import prepare_run_dir
+from dpfy.run_dir import prepare_run_dir
 
 #: The quickest real training run: digits, logistic regression, a fraction of an epoch.
 QUICK = ["train", "--model", "logreg", "--epochs", "0.3"]

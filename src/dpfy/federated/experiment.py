@@ -56,10 +56,10 @@ def default_run_dir(config: FederatedConfig) -> Path:
 def run_federated(config: FederatedConfig, console: Console | None = None) -> FederatedResult:
     """Split, calibrate, train with DP-FedAvg, evaluate, and write the run directory.
 
-    The directory is claimed first (new or empty, never shared: :func:`dpfy.trainer.claim_run_dir`)
+    The directory is claimed first (new or empty, never shared: :func:`dpfy.run_dir.claim_run_dir`)
     and released again if the run fails before writing into it.
     """
-    from dpfy.trainer import claim_run_dir, release_run_dir
+    from dpfy.run_dir import claim_run_dir, release_run_dir
 
     console = console or Console()
     delta = config.resolved_delta()

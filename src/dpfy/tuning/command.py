@@ -45,7 +45,7 @@ def tune_command(
     The output directory is claimed like a training run's (new or empty, never shared; a fresh
     runs/tune-… one by default) and left as it was if the tuning fails before writing into it.
     """
-    from dpfy.trainer import fresh_run_dir, release_run_dir
+    from dpfy.run_dir import fresh_run_dir, release_run_dir
 
     check_seed(seed)
     check_epochs("epochs", epochs)

@@ -263,7 +263,7 @@ def _check_informative(outcome: TuningOutcome, num_classes: int) -> None:
 
 def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummary:
     """Tune, train the chosen configuration and the untuned default, write everything."""
-    from dpfy.trainer import prepare_run_dir
+    from dpfy.run_dir import prepare_run_dir
     from dpfy.tuning.final import train_final
 
     console = console or Console()
