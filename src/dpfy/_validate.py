@@ -92,12 +92,16 @@ def check_seed(value: int | None, name: str = "seed") -> int | None:
     return seed
 
 
+def check_positive_at_most(name: str, value: float, limit: float, why: str) -> float:
+    """A positive number no larger than ``limit``; ``why`` says what a larger one would do."""
+    value = check_positive(name, value)
+    if value > limit:
+        raise ValueError(f"{name} must be at most {limit:g}, got {value:g}: {why}; lower it")
+    return value
+
+
 def check_learning_rate(name: str, value: float) -> float:
     """A learning rate lies in (0, MAX_LEARNING_RATE]; larger ones only overflow the weights."""
-    value = check_positive(name, value)
-    if value > MAX_LEARNING_RATE:
-        raise ValueError(
-            f"{name} must be at most {MAX_LEARNING_RATE:g}, got {value!r}: a step that large "
-            "overflows the weights; lower it"
-        )
-    return value
+    return check_positive_at_most(
+        name, value, MAX_LEARNING_RATE, "a step that large overflows the weights"
+    )

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpfy._validate import check_positive
+from dpfy._validate import check_positive_at_most
 
 #: Optimizers the trainer offers (each post-processes the private gradient, guide §5.5.2).
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad")
@@ -26,13 +26,9 @@ MAX_EPOCHS = 10_000
 
 def check_epochs(name: str, value: float) -> float:
     """Epochs lie in (0, MAX_EPOCHS]: a longer run never ends and overflows the accounting."""
-    value = check_positive(name, value)
-    if value > MAX_EPOCHS:
-        raise ValueError(
-            f"{name} must be at most {MAX_EPOCHS}, got {value:g}; lower it (no DP run needs "
-            "more passes over its data)"
-        )
-    return value
+    return check_positive_at_most(
+        name, value, MAX_EPOCHS, "no DP run needs more passes over its data"
+    )
 
 
 @dataclass(frozen=True)

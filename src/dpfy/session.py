@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from dpfy._validate import check_count, check_delta, check_positive
 from dpfy.accounting.calibrate import smallest_noise_multiplier
 from dpfy.accounting.events import DpEvent, NeighbouringRelation, SelfComposedEvent
-from dpfy.checkpoints import FORMAT, VERSION, seal, unseal
+from dpfy.checkpoints import seal, unseal
 from dpfy.checks import check_model
 from dpfy.data.loader import DPDataLoader, checked_loader_options, dataset_size_of
 from dpfy.data.records import SamplingKind, SamplingRecord
@@ -48,8 +48,6 @@ from dpfy.virtual import VirtualBatchLoader
 
 #: The ledger label of steps taken after a checkpoint that the run then went back to.
 REWOUND = "rewound steps"
-CHECKPOINT_FORMAT = FORMAT
-CHECKPOINT_VERSION = VERSION
 
 
 class PrivateTraining:
