@@ -6,25 +6,37 @@ Real datasets (:mod:`dpfy.data.datasets`) load from installed packages or local 
 the network, and record whether their preprocessing looked at the private data (guide §5.5.1).
 """
 
-from dpfy.data.datasets import (
-    DatasetNotFound,
-    LoadedDataset,
-    available_datasets,
-    load_dataset,
-)
-from dpfy.data.idx import IdxFormatError, read_idx, write_idx
-from dpfy.data.loader import DPDataLoader, EmptyBatchCollate, empty_batch_like
-from dpfy.data.preprocessing import Preprocessing
-from dpfy.data.randomness import RandomSource, SecureSource, TorchSource
-from dpfy.data.records import SamplingKind, SamplingRecord
-from dpfy.data.sampling import (
-    DpBatchSampler,
-    FixedSizeSampler,
-    PoissonSampler,
-    ShuffleSampler,
-    make_sampler,
-    sampling_rate_for,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Public names, loaded on first use (PEP 562): the sampling records and the ledger they feed
+#: stay importable without torch, so a saved report re-renders where torch is not installed.
+_EXPORTS = {
+    "DatasetNotFound": "dpfy.data.datasets",
+    "LoadedDataset": "dpfy.data.datasets",
+    "available_datasets": "dpfy.data.datasets",
+    "load_dataset": "dpfy.data.datasets",
+    "IdxFormatError": "dpfy.data.idx",
+    "read_idx": "dpfy.data.idx",
+    "write_idx": "dpfy.data.idx",
+    "DPDataLoader": "dpfy.data.loader",
+    "EmptyBatchCollate": "dpfy.data.loader",
+    "empty_batch_like": "dpfy.data.loader",
+    "Preprocessing": "dpfy.data.preprocessing",
+    "RandomSource": "dpfy.data.randomness",
+    "SecureSource": "dpfy.data.randomness",
+    "TorchSource": "dpfy.data.randomness",
+    "SamplingKind": "dpfy.data.records",
+    "SamplingRecord": "dpfy.data.records",
+    "DpBatchSampler": "dpfy.data.sampling",
+    "FixedSizeSampler": "dpfy.data.sampling",
+    "PoissonSampler": "dpfy.data.sampling",
+    "ShuffleSampler": "dpfy.data.sampling",
+    "make_sampler": "dpfy.data.sampling",
+    "sampling_rate_for": "dpfy.data.sampling",
+}
 
 __all__ = [
     "DPDataLoader",
@@ -50,3 +62,10 @@ __all__ = [
     "sampling_rate_for",
     "write_idx",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dpfy.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
