@@ -22,7 +22,7 @@ from dp_accounting import pld as dpa_pld
 from prv_accountant.dpsgd import DPSGDAccountant
 from scipy.optimize import brentq
 
-from dpfy.accounting import PldAccountant, calibrate_noise_multiplier, dpsgd_event
+from dpfy.plan.accounting import PldAccountant, calibrate_noise_multiplier, dpsgd_event
 
 RESULTS = Path(__file__).parent / "results"
 

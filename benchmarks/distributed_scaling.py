@@ -66,8 +66,8 @@ def timing_worker(steps: int, out: Path) -> None:
 
     import dpfy
     from dpfy.data.datasets import load_dataset
-    from dpfy.distributed import launched_process_group
-    from dpfy.models import build_model
+    from dpfy.train.distributed import launched_process_group
+    from dpfy.train.models import build_model
 
     torch.set_num_threads(1)
     results = []

@@ -34,9 +34,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpfy
-from dpfy.accounting import calibrate_noise_multiplier
 from dpfy.data.datasets import load_dataset
-from dpfy.models import build_model
+from dpfy.plan.accounting import calibrate_noise_multiplier
+from dpfy.train.models import build_model
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent

@@ -13,7 +13,8 @@ that works.
 ``dpfy_*`` steps include clipping, Gaussian noise on every parameter and the SGD update;
 ``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. On glibc,
 building a dpfy engine has ``malloc`` keep freed memory for the next step
-(:mod:`dpfy.cpu_allocator`); that is process-wide and happens before any step is timed, so every
+(:mod:`dpfy.train.cpu_allocator`); that is process-wide and happens before any step is timed, so
+every
 method here, non-private included, runs under it (``DPFY_KEEP_FREED_MEMORY=0``: none does).
 Results go to ``benchmarks/results/step_overhead.json`` (``--out``; the README's run, at
 default threads, writes ``step_overhead_all_threads.json``).
@@ -166,10 +167,10 @@ def _dpfy_step(
     ``dpfy_fast_nonoise`` drives the engine alone (clip, sum at 1/B, SGD) to show its own cost.
     """
     from dpfy.data.provenance import Provenance
-    from dpfy.data.records import SamplingKind, SamplingRecord
-    from dpfy.grads import make_engine
-    from dpfy.ledger import PrivacyLedger
-    from dpfy.optim import DPOptimizer, NoiseSettings
+    from dpfy.plan.sampling import SamplingKind, SamplingRecord
+    from dpfy.train.grads import make_engine
+    from dpfy.train.ledger import PrivacyLedger
+    from dpfy.train.optim import DPOptimizer, NoiseSettings
 
     kind = method.removeprefix("dpfy_").removesuffix("_nonoise")
     engine = make_engine(model, kind)

@@ -1,6 +1,6 @@
 """Tuning under privacy on Fashion-MNIST: ClipSearch, then the chosen C against the untuned default.
 
-Runs :func:`dpfy.tuning.pipeline.run_tuning` — ClipSearch trials on the private training data
+Runs :func:`dpfy.tune.pipeline.run_tuning` — ClipSearch trials on the private training data
 (accounted by the chosen method; the number of runs is really drawn for random-trials) or on a
 declared-public split (zero-noise, the guide's §5.4.1 step 2), then the chosen configuration and
 the untuned default (C = 1) trained at the same target ε, both evaluated on the same held-out half
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dpfy.tuning.pipeline import TuneConfig, parse_grid, run_tuning
+from dpfy.tune.pipeline import TuneConfig, parse_grid, run_tuning
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from dpfy.accounting import approx
-from dpfy.accounting.approx import (
+from dpfy.plan.accounting import approx
+from dpfy.plan.accounting.approx import (
     SCALING_LAW_FITS,
     CompositionApproximation,
     ScalingLawEstimate,
@@ -197,7 +197,7 @@ def test_coefficients_interpolate_between_fitted_deltas():
 
 
 def test_library_does_not_import_dp_accounting():
-    code = "import sys, dpfy.accounting.approx; sys.exit('dp_accounting' in sys.modules)"
+    code = "import sys, dpfy.plan.accounting.approx; sys.exit('dp_accounting' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

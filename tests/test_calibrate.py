@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfy.accounting import (
+from dpfy.plan.accounting import (
     CalibrationError,
     PldAccountant,
     RdpAccountant,
@@ -18,7 +18,7 @@ from dpfy.accounting import (
     settings_at_fixed_ratio,
     smallest_noise_multiplier,
 )
-from dpfy.accounting.events import ComposedEvent, GaussianEvent, SelfComposedEvent
+from dpfy.plan.accounting.events import ComposedEvent, GaussianEvent, SelfComposedEvent
 
 ACCOUNTANTS = {"pld": PldAccountant, "rdp": RdpAccountant}
 

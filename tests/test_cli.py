@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dpfy.accounting import PldAccountant, RdpAccountant, dpsgd_event
+from dpfy.plan.accounting import PldAccountant, RdpAccountant, dpsgd_event
 
 
 def dpfy(*args: str) -> subprocess.CompletedProcess[str]:

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dpfy.cli import app
+from dpfy.cli.app import app
 from dpfy.data.idx import write_idx
-from dpfy.run_dir import prepare_run_dir
+from dpfy.jobs.run_dir import prepare_run_dir
 
 #: The quickest real training run: digits, logistic regression, a fraction of an epoch.
 QUICK = ["train", "--model", "logreg", "--epochs", "0.3"]

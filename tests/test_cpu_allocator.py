@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 SCRIPT = """
 import resource, torch
 from torch import nn
-from dpfy.grads import make_engine
+from dpfy.train.grads import make_engine
 make_engine(nn.Linear(2, 2))
 def round_():
     buffers = [torch.ones(1 << 18) for _ in range(64)]
@@ -56,7 +56,7 @@ def test_switch_off_leaves_malloc_alone() -> None:
 
 
 def test_keep_freed_memory_reports_whether_it_applied(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpfy.cpu_allocator import ENV_SWITCH, keep_freed_memory
+    from dpfy.train.cpu_allocator import ENV_SWITCH, keep_freed_memory
 
     keep_freed_memory.cache_clear()
     monkeypatch.setenv(ENV_SWITCH, "0")

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
-from dpfy.grads import make_engine
-from dpfy.noise import TorchNoise
+from dpfy.train.grads import make_engine
+from dpfy.train.noise.source import TorchNoise
 from test_grads import TinyTransformer, assert_matches_reference, cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -28,7 +28,7 @@ from torch.utils.data import TensorDataset
 
 import dpfy
 from dpfy.data.sharding import ShardedPoissonSampler
-from dpfy.distributed import (
+from dpfy.train.distributed import (
     PeerFailure,
     RankMismatch,
     RanksOutOfStep,
@@ -36,8 +36,8 @@ from dpfy.distributed import (
     derive_seed,
     replicas_for,
 )
-from dpfy.ledger import PrivacyLedger, StepRecord
-from dpfy.optim import NonFiniteGradientError
+from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.optim import NonFiniteGradientError
 
 WORLD = 2
 LR, CLIP, SIGMA = 0.5, 0.5, 1.0
@@ -471,10 +471,12 @@ def test_distributed_true_without_a_process_group_is_refused():
 )
 def test_one_process_routes_refuse_a_running_process_group(monkeypatch, route):
     # Under torchrun these would silently train one private model per rank: W unaccounted runs.
-    import dpfy.session
+    import dpfy.train.session
 
-    group = object.__new__(dpfy.session.ProcessGroupReplicas)  # stands for a live 2-rank group
-    monkeypatch.setattr(dpfy.session, "current_replicas", lambda: group)
+    group = object.__new__(
+        dpfy.train.session.ProcessGroupReplicas
+    )  # stands for a live 2-rank group
+    monkeypatch.setattr(dpfy.train.session, "current_replicas", lambda: group)
     model = mlp()
     kwargs = {"batch_size": 10, "delta": 1e-5, "max_grad_norm": 1.0, "steps": 2}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

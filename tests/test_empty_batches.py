@@ -18,10 +18,10 @@ from torch.utils.data import TensorDataset
 from typer.testing import CliRunner
 
 import dpfy
-from dpfy.cli import app
-from dpfy.grads import find_rule, make_engine, registered_layers
-from dpfy.grads.capture import Call, output_tensors
-from dpfy.grads.substitutions import (
+from dpfy.cli.app import app
+from dpfy.train.grads import find_rule, make_engine, registered_layers
+from dpfy.train.grads.capture import Call, output_tensors
+from dpfy.train.grads.substitutions import (
     EmptyBatchInstanceNorm1d,
     EmptyBatchInstanceNorm2d,
     EmptyBatchInstanceNorm3d,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dpfy.accounting import (
+from dpfy.plan.accounting import (
     ComposedEvent,
     FixedSizeSampledEvent,
     GaussianEvent,
@@ -96,7 +96,10 @@ def test_unknown_accountant_lists_the_choices():
 
 
 def test_accounting_imports_without_torch():
-    code = "import sys, dpfy.accounting, dpfy.accounting.calibrate; print('torch' in sys.modules)"
+    code = (
+        "import sys, dpfy.plan.accounting, dpfy.plan.accounting.calibrate; "
+        "print('torch' in sys.modules)"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )

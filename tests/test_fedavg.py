@@ -15,7 +15,6 @@ from dp_accounting import rdp as dpa_rdp
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpfy.accounting import PldAccountant, RdpAccountant, dpsgd_event
 from dpfy.federated import (
     DPFedAvg,
     FedAvgConfig,
@@ -24,7 +23,8 @@ from dpfy.federated import (
     make_server_optimizer,
     simulate,
 )
-from dpfy.ledger import BudgetExhausted, PrivacyLedger
+from dpfy.plan.accounting import PldAccountant, RdpAccountant, dpsgd_event
+from dpfy.train.ledger import BudgetExhausted, PrivacyLedger
 
 DELTA = 1e-5
 
@@ -368,7 +368,7 @@ def _dpfy(*args: str):
     """The command in process (typer's runner): the exit code and stderr as a shell sees them."""
     from typer.testing import CliRunner
 
-    from dpfy.cli import app
+    from dpfy.cli.app import app
 
     return CliRunner().invoke(app, list(args))
 

@@ -29,9 +29,9 @@ from flwr.app import (  # noqa: E402
 )
 from flwr.serverapp import Grid  # noqa: E402
 
-from dpfy.accounting import PldAccountant, dpsgd_event  # noqa: E402
 from dpfy.federated.flower import DPFedAvgStrategy  # noqa: E402
-from dpfy.ledger import PrivacyLedger  # noqa: E402
+from dpfy.plan.accounting import PldAccountant, dpsgd_event  # noqa: E402
+from dpfy.train.ledger import PrivacyLedger  # noqa: E402
 
 DELTA = 1e-5
 Client = Callable[[int, Message], Message]

@@ -16,13 +16,13 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
-from dpfy.accounting import make_accountant
-from dpfy.accounting.accountant import UnsupportedEventError
-from dpfy.accounting.events import GaussianEvent, NeighbouringRelation, TreeAggregationEvent
-from dpfy.accounting.rdp import RdpAccountant, rdp_curve
 from dpfy.data.provenance import Provenance
-from dpfy.data.records import SamplingKind, SamplingRecord
-from dpfy.ftrl import (
+from dpfy.plan.accounting import make_accountant
+from dpfy.plan.accounting.accountant import UnsupportedEventError
+from dpfy.plan.accounting.events import GaussianEvent, NeighbouringRelation, TreeAggregationEvent
+from dpfy.plan.accounting.rdp import RdpAccountant, rdp_curve
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.train.ftrl import (
     DPFTRLOptimizer,
     OrderedSampler,
     TreeNoise,
@@ -35,9 +35,9 @@ from dpfy.ftrl import (
     prefix_variance,
     resolve_restart,
 )
-from dpfy.ledger import BudgetExhausted, PrivacyLedger
-from dpfy.noise import TorchNoise
-from dpfy.optim import NoiseSettings
+from dpfy.train.ledger import BudgetExhausted, PrivacyLedger
+from dpfy.train.noise.source import TorchNoise
+from dpfy.train.optim import NoiseSettings
 
 ZERO_OUT = NeighbouringRelation.ZERO_OUT
 COORDS = 40_000  # coordinates per statistical test: the sample variance is within ~3% at 1e-6
@@ -605,7 +605,7 @@ def test_bad_input_is_refused_with_the_fix():
 
 def test_optimizer_refuses_a_poisson_record():
     model = tiny_model()
-    engine = dpfy.grads.make_engine(model)
+    engine = dpfy.train.grads.make_engine(model)
     ledger = PrivacyLedger(1e-3, relation="zero-out")
     record = SamplingRecord(SamplingKind.POISSON, 0.1, 48)
     with pytest.raises(ValueError, match="no sampling"):
@@ -617,8 +617,8 @@ def test_optimizer_refuses_a_poisson_record():
 
 
 def test_report_states_that_no_sampling_assumption_was_used():
-    from dpfy.facts import collect_facts
-    from dpfy.report import build_report
+    from dpfy.report.facts import collect_facts
+    from dpfy.report.render import build_report
 
     private = ftrl_run(steps=6)
     train(private)
@@ -635,8 +635,8 @@ def test_report_states_that_no_sampling_assumption_was_used():
 
 
 def test_dpfy_train_refuses_dp_ftrl_settings_it_cannot_run():
-    from dpfy.run_config import TrainConfig
-    from dpfy.trainer import check_config
+    from dpfy.jobs.config import TrainConfig
+    from dpfy.jobs.train import check_config
 
     with pytest.raises(ValueError, match="optimizer sgd"):
         check_config(TrainConfig(algorithm="dp-ftrl", optimizer="adam"))
@@ -651,8 +651,8 @@ def test_digits_dp_ftrl_at_epsilon_3_reaches_85_percent(tmp_path):
     # hyperparameters reaches ~0.93 there, Poisson amplification being worth it on 1437 examples.
     from rich.console import Console
 
-    from dpfy.run_config import TrainConfig
-    from dpfy.trainer import run_training
+    from dpfy.jobs.config import TrainConfig
+    from dpfy.jobs.train import run_training
 
     config = TrainConfig(
         dataset="digits", target_epsilon=3.0, algorithm="dp-ftrl", optimizer="sgd", lr=1.0,
@@ -668,7 +668,7 @@ def test_optimizer_refuses_an_add_or_remove_ledger():
     # Each tree step is recorded as a plain GaussianEvent, which an add-or-remove ledger would
     # accept and report under the wrong adjacency: the tree bound holds for zero-out only.
     model = tiny_model()
-    engine = dpfy.grads.make_engine(model)
+    engine = dpfy.train.grads.make_engine(model)
     record = SamplingRecord(SamplingKind.TREE_FIXED_ORDER, 8 / 48, 48, 8)
     with pytest.raises(ValueError, match="zero-out"):
         DPFTRLOptimizer(

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from dpfy.grads import layout, make_engine
-from dpfy.grads.rows import Rows
-from dpfy.grads.rules._bilinear import direct_sq_norms, ghost_sq_norms, use_ghost
-from dpfy.grads.substitutions import DPMultiheadAttention
+from dpfy.train.grads import layout, make_engine
+from dpfy.train.grads.rows import Rows
+from dpfy.train.grads.rules._bilinear import direct_sq_norms, ghost_sq_norms, use_ghost
+from dpfy.train.grads.substitutions import DPMultiheadAttention
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -210,7 +210,7 @@ def test_cost_formula_picks_the_cheaper_path() -> None:
 def test_linear_sequence_ghost_and_direct_routes_match_reference(
     monkeypatch, ghost, microbatch
 ) -> None:
-    import dpfy.grads.rules._bilinear as bilinear
+    import dpfy.train.grads.rules._bilinear as bilinear
 
     monkeypatch.setattr(bilinear, "use_ghost", lambda *shape: ghost)
     torch.manual_seed(14)
@@ -225,7 +225,7 @@ def test_linear_sequence_ghost_and_direct_routes_match_reference(
 @pytest.mark.parametrize("ghost", [True, False])
 @pytest.mark.parametrize("microbatch", [None, 2])
 def test_conv_ghost_and_direct_routes_match_reference(monkeypatch, ghost, microbatch) -> None:
-    import dpfy.grads.rules.conv as conv
+    import dpfy.train.grads.rules.conv as conv
 
     monkeypatch.setattr(conv, "use_ghost", lambda *shape: ghost)
     torch.manual_seed(15)
@@ -928,8 +928,8 @@ def test_second_engine_on_the_same_model_is_refused() -> None:
 
 @pytest.mark.parametrize("ghost", [True, False])
 def test_attention_ghost_and_direct_routes_match_reference(monkeypatch, ghost) -> None:
-    import dpfy.grads.rules._bilinear as bilinear
-    import dpfy.grads.rules.attention as attention
+    import dpfy.train.grads.rules._bilinear as bilinear
+    import dpfy.train.grads.rules.attention as attention
 
     monkeypatch.setattr(bilinear, "use_ghost", lambda *shape: ghost)
     monkeypatch.setattr(attention, "use_ghost", lambda *shape: ghost)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpfy
-from dpfy.grads import make_engine
+from dpfy.train.grads import make_engine
 
 
 def dataset(n: int = 120, d: int = 5, classes: int = 3, seed: int = 0) -> TensorDataset:
@@ -424,7 +424,7 @@ def test_a_checkpoint_with_an_earlier_ledger_is_refused():
     forged = {**late, "ledger": early["ledger"]}
     with pytest.raises(ValueError, match="digest"):
         private_run().load_state_dict(forged)
-    from dpfy.checkpoints import seal
+    from dpfy.train.checkpoints import seal
 
     resealed = seal({k: v for k, v in forged.items() if k not in ("format", "version", "digest")})
     with pytest.raises(ValueError, match="records 2 training steps but its sampler"):
@@ -432,7 +432,7 @@ def test_a_checkpoint_with_an_earlier_ledger_is_refused():
 
 
 def test_a_checkpoint_with_another_runs_ledger_is_refused():
-    from dpfy.checkpoints import seal
+    from dpfy.train.checkpoints import seal
 
     mine, theirs = trained(private_run(), 3).state_dict(), trained(private_run(), 3).state_dict()
     body = {k: v for k, v in mine.items() if k not in ("format", "version", "digest")}
@@ -441,7 +441,7 @@ def test_a_checkpoint_with_another_runs_ledger_is_refused():
 
 
 def test_a_checkpoint_with_an_emptied_ledger_is_refused():
-    from dpfy.checkpoints import seal
+    from dpfy.train.checkpoints import seal
 
     private = trained(private_run(), 3)
     empty = private_run()

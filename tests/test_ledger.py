@@ -7,14 +7,14 @@ import warnings
 
 import pytest
 
-from dpfy.accounting.accountant import (
+from dpfy.plan.accounting.accountant import (
     ACCOUNTANTS,
     Accountant,
     UnsupportedEventError,
     make_accountant,
     register_accountant,
 )
-from dpfy.accounting.events import (
+from dpfy.plan.accounting.events import (
     ComposedEvent,
     DpEvent,
     FixedSizeSampledEvent,
@@ -25,8 +25,8 @@ from dpfy.accounting.events import (
     PureDpEvent,
     SelfComposedEvent,
 )
-from dpfy.data.records import SamplingKind, SamplingRecord
-from dpfy.ledger import BudgetExhausted, PrivacyLedger, StepRecord
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.train.ledger import BudgetExhausted, PrivacyLedger, StepRecord
 
 
 @register_accountant
@@ -81,7 +81,7 @@ def _real_accountants() -> list[str]:
     names = []
     for name in ("pld", "rdp"):
         try:
-            __import__(f"dpfy.accounting.{name}")
+            __import__(f"dpfy.plan.accounting.{name}")
         except ModuleNotFoundError:
             continue
         if name in ACCOUNTANTS:
@@ -434,8 +434,8 @@ def test_construction_is_validated():
 
 
 def test_every_event_kind_survives_the_json_codec():
-    from dpfy._event_codec import decode_event, encode_event
-    from dpfy.accounting.events import NoOpEvent, RepeatAndSelectEvent
+    from dpfy.plan.accounting.event_codec import decode_event, encode_event
+    from dpfy.plan.accounting.events import NoOpEvent, RepeatAndSelectEvent
 
     events = [
         NoOpEvent(),

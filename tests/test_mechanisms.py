@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpfy.accounting.events import GaussianEvent, LaplaceEvent, PureDpEvent
-from dpfy.mechanisms import (
+from dpfy.plan.accounting.events import GaussianEvent, LaplaceEvent, PureDpEvent
+from dpfy.plan.mechanisms import (
     GAUSSIAN_CALIBRATIONS,
     MechanismResult,
     analytic_gaussian_delta,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.checks import check_model, find_batch_coupled_layers, fix, fix_model
+from dpfy.train.checks import check_model, find_batch_coupled_layers, fix, fix_model
 
 REFUSED = [
     lambda: nn.BatchNorm1d(8),

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.grads import make_engine
-from dpfy.models import available_models, build_model, register_model
+from dpfy.train.grads import make_engine
+from dpfy.train.models import available_models, build_model, register_model
 
 CASES = [
     ("logreg", (64,)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dpfy.noise import TorchNoise, device_seed
+from dpfy.train.noise.source import TorchNoise, device_seed
 
 
 def test_cpu_noise_is_the_seeded_cpu_generators_stream():

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from torch import nn
 
-from dpfy.accounting import dpsgd_event
-from dpfy.checks import find_sparse_gradient_layers
-from dpfy.data.records import SamplingKind, SamplingRecord
-from dpfy.facts import (
+from dpfy.plan.accounting import dpsgd_event
+from dpfy.plan.privacy_plan import PrivacySettings
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.report.facts import (
     DatasetFacts,
     GradNormStats,
     PreprocessingStep,
@@ -21,9 +21,9 @@ from dpfy.facts import (
     accounting_facts,
     model_facts,
 )
-from dpfy.ledger import PrivacyLedger, StepRecord
-from dpfy.pitfalls import DETECTORS, Finding, Severity, detector, find_pitfalls
-from dpfy.settings import PrivacySettings
+from dpfy.report.pitfalls import DETECTORS, Finding, Severity, detector, find_pitfalls
+from dpfy.train.checks import find_sparse_gradient_layers
+from dpfy.train.ledger import PrivacyLedger, StepRecord
 
 N, B, SIGMA, C, DELTA, STEPS = 10_000, 100, 1.0, 1.0, 1e-6, 50
 

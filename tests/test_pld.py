@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from prv_accountant.dpsgd import DPSGDAccountant
 from scipy.special import comb, ndtr
 
-from dpfy.accounting import (
+from dpfy.plan.accounting import (
     ComposedEvent,
     FixedSizeSampledEvent,
     GaussianEvent,

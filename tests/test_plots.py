@@ -9,23 +9,23 @@ import pytest
 from matplotlib import image
 from torch import nn
 
-from dpfy.accounting import (
+from dpfy.plan.accounting import (
     FixedSizeSampledEvent,
     GaussianEvent,
     PoissonSampledEvent,
     make_accountant,
 )
-from dpfy.data.records import SamplingKind, SamplingRecord
-from dpfy.facts import (
+from dpfy.plan.privacy_plan import PrivacySettings
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.report.facts import (
     DatasetFacts,
     RunFacts,
     TrainingFacts,
     accounting_facts,
     model_facts,
 )
-from dpfy.ledger import PrivacyLedger, StepRecord
-from dpfy.plots import CURVE_POINTS, epsilon_curve, plot_epsilon_curve, plot_training_curves
-from dpfy.settings import PrivacySettings
+from dpfy.report.plots import CURVE_POINTS, epsilon_curve, plot_epsilon_curve, plot_training_curves
+from dpfy.train.ledger import PrivacyLedger, StepRecord
 
 N, B, DELTA = 5_000, 50, 1e-5
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

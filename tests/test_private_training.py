@@ -12,10 +12,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
-from dpfy import noise as dpfy_noise
-from dpfy.accounting import PldAccountant, dpsgd_event
-from dpfy.ledger import BudgetExhausted
-from dpfy.optim import NonFiniteGradientError
+from dpfy.plan.accounting import PldAccountant, dpsgd_event
+from dpfy.train.ledger import BudgetExhausted
+from dpfy.train.noise import source as dpfy_noise
+from dpfy.train.optim import NonFiniteGradientError
 
 
 def dataset(n: int = 200, d: int = 5, classes: int = 3, seed: int = 0) -> TensorDataset:

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import integrate, special
 
-from dpfy.accounting import make_accountant
-from dpfy.accounting.accountant import UnsupportedEventError
-from dpfy.accounting.events import (
+from dpfy.plan.accounting import make_accountant
+from dpfy.plan.accounting.accountant import UnsupportedEventError
+from dpfy.plan.accounting.events import (
     ComposedEvent,
     FixedSizeSampledEvent,
     GaussianEvent,
@@ -27,7 +27,7 @@ from dpfy.accounting.events import (
     SelfComposedEvent,
     dpsgd_event,
 )
-from dpfy.accounting.rdp import (
+from dpfy.plan.accounting.rdp import (
     DEFAULT_ORDERS,
     GridEdgeWarning,
     RdpAccountant,

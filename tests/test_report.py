@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
-from dpfy import report as report_module
-from dpfy.accounting import RdpAccountant, dpsgd_event, make_accountant
-from dpfy.facts import (
+from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
+from dpfy.report import render as report_module
+from dpfy.report.facts import (
     PreprocessingStep,
     ResultFacts,
     RunFacts,
@@ -27,7 +27,14 @@ from dpfy.facts import (
     preprocessing_steps,
     record_clip_norms,
 )
-from dpfy.report import REPORT_FORMAT, SECTIONS, build_report, render, render_run, write_report
+from dpfy.report.render import (
+    REPORT_FORMAT,
+    SECTIONS,
+    build_report,
+    render,
+    render_run,
+    write_report,
+)
 
 N, B, STEPS, SIGMA, C, DELTA, LR = 200, 20, 8, 1.3, 0.7, 1e-4, 0.25
 
@@ -74,7 +81,7 @@ def facts_of(run: dpfy.PrivateTraining, norms: np.ndarray | None = None, **decla
     """Collect facts with the trainer's declarations (defaults: a plain example-level run)."""
     grad_norms = None
     if norms is not None and norms.size:
-        from dpfy.facts import GradNormStats
+        from dpfy.report.facts import GradNormStats
 
         grad_norms = GradNormStats.from_norms(norms, C)
     return collect_facts(
@@ -375,7 +382,7 @@ def test_report_renders_from_saved_facts_without_torch(poisson, tmp_path):
         "    def find_spec(self, name, *args):\n"
         "        if name.split('.')[0] == 'torch': raise ImportError('no torch here')\n"
         "sys.meta_path.insert(0, NoTorch())\n"
-        "from dpfy.facts import RunFacts\nfrom dpfy.report import build_report\n"
+        "from dpfy.report.facts import RunFacts\nfrom dpfy.report.render import build_report\n"
         f"sys.stdout.write(build_report(RunFacts.load({str(path)!r})).to_markdown())\n"
     )
     out = subprocess.run(

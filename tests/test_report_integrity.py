@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from dpfy.accounting import PldAccountant, dpsgd_event
-from dpfy.cli import app
-from dpfy.facts import RunFacts
-from dpfy.report import render_run
+from dpfy.cli.app import app
+from dpfy.plan.accounting import PldAccountant, dpsgd_event
+from dpfy.report.facts import RunFacts
+from dpfy.report.render import render_run
 
 Edit = Callable[[dict[str, Any]], None]
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from dpfy.accounting.events import FixedSizeSampledEvent, GaussianEvent, PoissonSampledEvent
 from dpfy.data import (
     DPDataLoader,
     FixedSizeSampler,
@@ -20,6 +19,7 @@ from dpfy.data import (
     make_sampler,
 )
 from dpfy.data.randomness import _SCALE, _threshold
+from dpfy.plan.accounting.events import FixedSizeSampledEvent, GaussianEvent, PoissonSampledEvent
 
 # Statistical checks use bounds of Z standard deviations; with the fixed seeds below they pass,
 # and a sampler with the wrong law (wrong q, fixed sizes, correlated inclusions) fails them.

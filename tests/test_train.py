@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dpfy.accounting import PldAccountant, dpsgd_event
+from dpfy.plan.accounting import PldAccountant, dpsgd_event
 
 
 def dpfy(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

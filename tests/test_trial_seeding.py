@@ -12,13 +12,13 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import dpfy.tuning.trial as trial_module
-from dpfy.accounting import ComposedEvent
-from dpfy.tuning.clip_search import ClipSearch
-from dpfy.tuning.random_search import RandomSearch
-from dpfy.tuning.sweep import LrClipSweep
-from dpfy.tuning.trial import TrialConfig, TrialResult, TuningData, run_trial
-from dpfy.tuning.tuner import Tuner, planned_event
+import dpfy.tune.trial as trial_module
+from dpfy.plan.accounting import ComposedEvent
+from dpfy.tune.clip_search import ClipSearch
+from dpfy.tune.random_search import RandomSearch
+from dpfy.tune.sweep import LrClipSweep
+from dpfy.tune.trial import TrialConfig, TrialResult, TuningData, run_trial
+from dpfy.tune.tuner import Tuner, planned_event
 
 
 def tiny_data() -> TuningData:

@@ -9,7 +9,7 @@ from dp_accounting import dp_event as dpa_events
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpfy.accounting import (
+from dpfy.plan.accounting import (
     ComposedEvent,
     NoOpEvent,
     PureDpEvent,
@@ -17,7 +17,7 @@ from dpfy.accounting import (
     compute_epsilon,
     dpsgd_event,
 )
-from dpfy.tuning.cost import (
+from dpfy.tune.cost import (
     TUNING_METHODS,
     TuningSpec,
     draw_trial_count,

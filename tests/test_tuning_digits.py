@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dpfy.accounting import SelfComposedEvent, compute_epsilon, dpsgd_event
-from dpfy.tuning.pipeline import TuneConfig, run_tuning
+from dpfy.plan.accounting import SelfComposedEvent, compute_epsilon, dpsgd_event
+from dpfy.tune.pipeline import TuneConfig, run_tuning
 
 
 def _run(tmp_path: Path, **changes: object) -> dict:

@@ -11,15 +11,15 @@ import pytest
 from matplotlib.patches import Rectangle
 from typer.testing import CliRunner
 
-from dpfy.cli import app
-from dpfy.tuning.plots import (
+from dpfy.cli.app import app
+from dpfy.tune.plots import (
     clip_search_figure,
     grad_norms_figure,
     heatmap_figure,
     plot_grad_norms,
     plot_lr_clip_heatmap,
 )
-from dpfy.tuning.sweep import SweepGrid
+from dpfy.tune.sweep import SweepGrid
 
 
 def _tune(tmp_path: Path, *args: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from dpfy.accounting import (
+from dpfy.plan.accounting import (
     ComposedEvent,
     PureDpEvent,
     RepeatAndSelectEvent,
@@ -19,14 +19,14 @@ from dpfy.accounting import (
     compute_epsilon,
     dpsgd_event,
 )
-from dpfy.ledger import PrivacyLedger
-from dpfy.tuning.clip_search import ClipSearch, choose_clip
-from dpfy.tuning.cost import TuningSpec
-from dpfy.tuning.planner import RatioAssumptionWarning, plan_at_fixed_ratio
-from dpfy.tuning.random_search import RandomSearch
-from dpfy.tuning.sweep import LrClipSweep
-from dpfy.tuning.trial import TrialConfig, TrialResult, TuningData
-from dpfy.tuning.tuner import Tuner, planned_event
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.tune.clip_search import ClipSearch, choose_clip
+from dpfy.tune.cost import TuningSpec
+from dpfy.tune.planner import RatioAssumptionWarning, plan_at_fixed_ratio
+from dpfy.tune.random_search import RandomSearch
+from dpfy.tune.sweep import LrClipSweep
+from dpfy.tune.trial import TrialConfig, TrialResult, TuningData
+from dpfy.tune.tuner import Tuner, planned_event
 
 N_TRAIN, N_VALID = 200, 100
 DATA = TuningData(
@@ -248,7 +248,7 @@ def test_trials_that_cannot_tell_the_clip_norms_apart_are_flagged() -> None:
 
 
 def test_trials_near_chance_are_noted() -> None:
-    from dpfy.tuning.pipeline import _check_informative
+    from dpfy.tune.pipeline import _check_informative
 
     _, run = fake_runner({c: 0.15 for c in ACCURACY})
     outcome = Tuner(clip_search(), "compose", runner=run).run(DATA, 1e-4)

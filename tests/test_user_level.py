@@ -18,15 +18,15 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 import dpfy
-from dpfy.accounting import PldAccountant, dpsgd_event
-from dpfy.accounting.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
-from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.user_sampling import UserDataLoader, UserPoissonSampler, check_user_ids
-from dpfy.facts import collect_facts
-from dpfy.grads import make_engine
-from dpfy.ledger import PrivacyLedger, StepRecord
-from dpfy.report import build_report
-from dpfy.user_level import group_privacy
+from dpfy.plan.accounting import PldAccountant, dpsgd_event
+from dpfy.plan.accounting.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.report.facts import collect_facts
+from dpfy.report.render import build_report
+from dpfy.train.grads import make_engine
+from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.user_level import group_privacy
 
 # -- the engine's grouped clipping against a batch-of-one-user reference --------------------------
 
@@ -481,8 +481,8 @@ def test_group_privacy_chains_the_guarantee_over_a_users_examples():
 def test_train_unit_user_writes_a_user_level_report(tmp_path):
     from rich.console import Console
 
-    from dpfy.run_config import TrainConfig
-    from dpfy.trainer import run_training
+    from dpfy.jobs.config import TrainConfig
+    from dpfy.jobs.train import run_training
 
     config = TrainConfig(
         unit="user", users=40, batch_size=8, epochs=1, target_epsilon=4.0,

@@ -1,6 +1,7 @@
 """dpfy: train machine-learning models with differential privacy, the whole recipe.
 
-The top-level names load lazily, so ``import dpfy.accounting`` (pure numpy/scipy) never pulls in
+The top-level names load lazily, so ``import dpfy.plan.accounting`` (pure numpy/scipy) never pulls
+in
 torch.
 """
 
@@ -12,14 +13,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "make_private": "dpfy.session",
-    "PrivateTraining": "dpfy.session",
-    "fix": "dpfy.checks",
-    "check_model": "dpfy.checks",
-    "BudgetExhausted": "dpfy.ledger",
-    "PrivacyLedger": "dpfy.ledger",
-    "DPOptimizer": "dpfy.optim",
-    "NonFiniteGradientError": "dpfy.optim",
+    "make_private": "dpfy.train.session",
+    "PrivateTraining": "dpfy.train.session",
+    "fix": "dpfy.train.checks",
+    "check_model": "dpfy.train.checks",
+    "BudgetExhausted": "dpfy.train.ledger",
+    "PrivacyLedger": "dpfy.train.ledger",
+    "DPOptimizer": "dpfy.train.optim",
+    "NonFiniteGradientError": "dpfy.train.optim",
     "DPDataLoader": "dpfy.data",
 }
 

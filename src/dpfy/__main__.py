@@ -1,5 +1,5 @@
 """``python -m dpfy`` runs the command line."""
 
-from dpfy.cli import main
+from dpfy.cli.app import main
 
 main()

@@ -16,13 +16,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from dpfy._validate import check_count
-from dpfy.accounting.events import DpEvent
 from dpfy.data.batches import batch_length, holds_batches
 from dpfy.data.microbatches import MicrobatchSlots
 from dpfy.data.provenance import Provenance
 from dpfy.data.randomness import SecureSource, TorchSource
-from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import DpBatchSampler, check_batch_size, make_sampler
+from dpfy.plan.accounting.events import DpEvent
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
 
 _RESERVED = ("batch_size", "shuffle", "batch_sampler", "drop_last")
 

@@ -4,7 +4,7 @@
 every step (guide alg. 1, §4.3): each index joins each batch independently with probability
 q = B/N, batch sizes vary, and an empty batch is yielded as ``[]`` — it is still a step (DESIGN
 rule 3). :class:`ShuffleSampler` and :class:`FixedSizeSampler` exist only as explicit choices and
-their :class:`~dpfy.data.records.SamplingRecord` says plainly that they are not Poisson.
+their :class:`~dpfy.plan.sampling.SamplingRecord` says plainly that they are not Poisson.
 
 A sampler is a stream of batches: one iteration (a *pass*) yields exactly ``steps`` batches and
 the next pass continues the same random stream. ``state_dict()`` / ``load_state_dict()`` capture
@@ -23,9 +23,9 @@ import torch
 from torch.utils.data import Sampler
 
 from dpfy._validate import check_count, check_sampling_rate
-from dpfy.accounting.events import DpEvent
 from dpfy.data.randomness import RandomSource, make_source
-from dpfy.data.records import SamplingKind, SamplingRecord
+from dpfy.plan.accounting.events import DpEvent
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
 
 _STATE_VERSION = 1
 

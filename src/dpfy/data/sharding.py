@@ -10,7 +10,7 @@ The record the ledger sees is therefore the ordinary global one: Poisson, q, N.
 
 Two ranks must never share a random stream: with equal shard sizes, the same seed would make
 index ``r + kW`` join exactly when ``r' + kW`` does, and the union would not be a Poisson sample.
-:func:`dpfy.distributed.derive_seed` gives each rank its own stream from one user seed.
+:func:`dpfy.train.distributed.derive_seed` gives each rank its own stream from one user seed.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ User-level DP (guide §2.1, §4.4; McMahan et al. 2018) protects all examples of
 so the sampled record is the user: each step, every user joins independently with probability
 q = B_users / N_users and brings their examples (at most ``max_examples_per_user`` of them, drawn
 uniformly without replacement afresh each time the user is sampled). The sampler's
-:class:`~dpfy.data.records.SamplingRecord` has ``unit="user"`` and ``dataset_size = N_users``, so
+:class:`~dpfy.plan.sampling.SamplingRecord` has ``unit="user"`` and ``dataset_size = N_users``, so
 the ledger accounts ``PoissonSampledEvent(B_users / N_users, GaussianEvent(σ))`` per step.
 
 :class:`UserDataLoader` yields ordinary collated batches (a user's examples are consecutive) and
@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from dpfy._validate import check_count, check_sampling_rate
 from dpfy.data.loader import DPDataLoader, EmptyBatchCollate, dataset_size_of, empty_batch_like
 from dpfy.data.provenance import Provenance
-from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import DpBatchSampler
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
 
 __all__ = [
     "UserDataLoader",

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dpfy._validate import check_positive
-from dpfy.noise import NoiseSource
+from dpfy.train.noise.source import NoiseSource
 
 __all__ = [
     "SERVER_OPTIMIZERS",

@@ -24,9 +24,9 @@ from dpfy.data.users import UserSplit, split_users
 from dpfy.federated.config import FederatedConfig
 from dpfy.federated.fedavg import DPFedAvg, calibrate_user_noise
 from dpfy.federated.simulation import simulate
-from dpfy.ledger import PrivacyLedger
-from dpfy.models import build_model
-from dpfy.run_config import public_seed
+from dpfy.jobs.config import public_seed
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.models import build_model
 
 __all__ = ["FederatedConfig", "FederatedResult", "federated_command", "run_federated"]
 
@@ -56,10 +56,11 @@ def default_run_dir(config: FederatedConfig) -> Path:
 def run_federated(config: FederatedConfig, console: Console | None = None) -> FederatedResult:
     """Split, calibrate, train with DP-FedAvg, evaluate, and write the run directory.
 
-    The directory is claimed first (new or empty, never shared: :func:`dpfy.run_dir.claim_run_dir`)
+    The directory is claimed first (new or empty, never shared:
+    :func:`dpfy.jobs.run_dir.claim_run_dir`)
     and released again if the run fails before writing into it.
     """
-    from dpfy.run_dir import claim_run_dir, release_run_dir
+    from dpfy.jobs.run_dir import claim_run_dir, release_run_dir
 
     console = console or Console()
     delta = config.resolved_delta()
@@ -76,8 +77,8 @@ def _federate_into(
     run_dir: Path, config: FederatedConfig, delta: float, console: Console
 ) -> FederatedResult:
     """The run itself, writing into the claimed ``run_dir``."""
-    from dpfy.report import write_report
-    from dpfy.trainer import accuracy
+    from dpfy.jobs.train import accuracy
+    from dpfy.report.render import write_report
 
     started = time.perf_counter()
     data = load_dataset(config.dataset, data_dir=config.data_dir)
@@ -154,7 +155,8 @@ def federated_facts(
     norms: list[float],
 ) -> Any:
     """The run's facts for the report card: user-level unit, N and B counting users."""
-    from dpfy.facts import (
+    from dpfy.plan.privacy_plan import PrivacySettings
+    from dpfy.report.facts import (
         DatasetFacts,
         GradNormStats,
         ResultFacts,
@@ -165,7 +167,6 @@ def federated_facts(
         preprocessing_steps,
         software_versions,
     )
-    from dpfy.settings import PrivacySettings
 
     algorithm = trainer.config
     ledger = trainer.ledger

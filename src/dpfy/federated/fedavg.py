@@ -34,9 +34,6 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from dpfy._validate import check_count, check_positive
-from dpfy.accounting.calibrate import calibrate_noise_multiplier
-from dpfy.checks import check_model
-from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import PoissonSampler, sampling_rate_for
 from dpfy.federated.aggregate import (
     ClippedSum,
@@ -44,9 +41,12 @@ from dpfy.federated.aggregate import (
     ServerUpdate,
     make_server_optimizer,
 )
-from dpfy.ledger import PrivacyLedger, StepRecord
-from dpfy.noise import NoiseSource, SecureNoise, TorchNoise
-from dpfy.session import warn_if_delta_too_large
+from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.train.checks import check_model
+from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
+from dpfy.train.session import warn_if_delta_too_large
 
 __all__ = [
     "DPFedAvg",
@@ -162,8 +162,8 @@ def check_ledger(ledger: PrivacyLedger) -> PrivacyLedger:
     """Every round must be accounted: a dpfy PrivacyLedger is required."""
     if not isinstance(ledger, PrivacyLedger):
         raise ValueError(
-            f"ledger must be a dpfy.ledger.PrivacyLedger, got {type(ledger).__name__}; build one "
-            "with PrivacyLedger(delta, target_epsilon=...)"
+            f"ledger must be a dpfy.train.ledger.PrivacyLedger, got {type(ledger).__name__}; "
+            "build one with PrivacyLedger(delta, target_epsilon=...)"
         )
     return ledger
 

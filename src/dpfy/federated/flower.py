@@ -7,7 +7,7 @@ server, exactly as the in-process trainer does (guide alg. 2, §4.4):
 * **sampling** — in ``configure_train`` every connected node is selected independently with
   probability q = B_c / N_users, drawn by dpfy's own random source (Poisson; Flower's samplers
   draw a fixed number of nodes, which the accountant would not describe). The round is accounted
-  in the :class:`~dpfy.ledger.PrivacyLedger` as the same event as a DP-SGD step at (q, σ);
+  in the :class:`~dpfy.train.ledger.PrivacyLedger` as the same event as a DP-SGD step at (q, σ);
 * **clipping** — each reply's model change (client arrays − global arrays, trainable keys only)
   is clipped to L2 norm C;
 * **noise** — N(0, σ²C²) once per coordinate on the sum, divided by the expected B_c;
@@ -40,7 +40,6 @@ from torch import nn
 
 from dpfy._validate import check_count, check_positive
 from dpfy.data.randomness import RandomSource, make_source
-from dpfy.data.records import SamplingKind, SamplingRecord
 from dpfy.data.sampling import sampling_rate_for
 from dpfy.federated.aggregate import (
     ClippedSum,
@@ -49,9 +48,10 @@ from dpfy.federated.aggregate import (
     make_server_optimizer,
 )
 from dpfy.federated.fedavg import check_ledger, check_seeding
-from dpfy.ledger import BudgetExhausted, PrivacyLedger, StepRecord
-from dpfy.noise import NoiseSource, SecureNoise, TorchNoise
-from dpfy.session import warn_if_delta_too_large
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.train.ledger import BudgetExhausted, PrivacyLedger, StepRecord
+from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
+from dpfy.train.session import warn_if_delta_too_large
 
 __all__ = ["DPFedAvgStrategy"]
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from dpfy._validate import check_count
 from dpfy.federated.fedavg import DPFedAvg
-from dpfy.ledger import BudgetExhausted
+from dpfy.train.ledger import BudgetExhausted
 
 __all__ = ["SimulationResult", "simulate"]
 
@@ -63,7 +63,7 @@ def simulate(
 ) -> SimulationResult:
     """Run up to ``rounds`` rounds; evaluate every ``eval_every`` rounds and after the last.
 
-    A :class:`~dpfy.ledger.BudgetExhausted` refusal ends the run before that round changes the
+    A :class:`~dpfy.train.ledger.BudgetExhausted` refusal ends the run before that round changes the
     model; ``result.stopped`` says so. ε in the history is the ledger's user-level ε.
     """
     rounds = check_count("rounds", rounds, minimum=1)

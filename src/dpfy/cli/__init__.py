@@ -1,0 +1,1 @@
+"""The dpfy command line."""

@@ -1,0 +1,445 @@
+"""The ``dpfy`` command line: ``account``, ``plan``, ``train`` and ``report``.
+
+``account`` and ``plan`` are a stable contract other tools build on: with ``--json`` each prints
+exactly one JSON object on stdout. Bad input never shows a traceback: any ValueError, and any
+option the parser refuses, becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import warnings
+from collections.abc import Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+from typer.core import TyperGroup
+
+from dpfy.federated.config import FederatedConfig
+from dpfy.jobs.config import MAX_EPOCHS, OPTIMIZER_NAMES, UNIT_NAMES, TrainConfig
+from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
+from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
+from dpfy.plan.accounting.events import MAX_STEPS
+
+USAGE_ERROR = 2
+
+
+def _usage_error(err: click.UsageError, ctx: click.Context | None) -> click.exceptions.Exit:
+    """Print a parser refusal as one ``error:`` line pointing at the help; exit code 2."""
+    where = err.ctx or ctx
+    message = " ".join(err.format_message().split()).rstrip(".")
+    help_hint = f"; see `{where.command_path} --help`" if where is not None else ""
+    typer.echo(f"error: {message}{help_hint}", err=True)
+    return click.exceptions.Exit(USAGE_ERROR)
+
+
+class _OneLineErrors(TyperGroup):
+    """Options the parser refuses (``--steps 1e30``) get one ``error:`` line too, not a panel."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        """Parse the top-level options (``dpfy --bogus`` is refused in one line)."""
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as err:
+            raise _usage_error(err, None) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the subcommand; a usage error becomes one line on stderr and exit code 2."""
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as err:
+            raise _usage_error(err, ctx) from None
+
+
+app = typer.Typer(
+    name="dpfy",
+    help="Train machine-learning models with differential privacy: plan, account, train, report.",
+    cls=_OneLineErrors,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class AccountantChoice(str, Enum):
+    """The accountants the CLI offers."""
+
+    pld = "pld"
+    rdp = "rdp"
+
+
+AccountantOption = Annotated[
+    AccountantChoice,
+    typer.Option(help="pld (tight, default) or rdp (Rényi DP, looser but classic)."),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")]
+DeltaOption = Annotated[float, typer.Option(help="δ of the (ε, δ) guarantee, in (0, 1).")]
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Turn bad input into one line on stderr and exit code 2; show warnings as one line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        except ValueError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(USAGE_ERROR) from None
+        finally:
+            for warning in caught:
+                typer.echo(f"warning: {warning.message}", err=True)
+
+
+def _out_dir(out: str | None) -> Path | None:
+    """``--out ""`` would mean the working directory: refused, never guessed."""
+    if out is None:
+        return None
+    if not out.strip():
+        raise ValueError("--out is empty; pass a directory for the run, or omit --out")
+    return Path(out)
+
+
+def _warn_if_unbounded(epsilon: float) -> None:
+    """An infinite ε is a result, not a crash: say once, plainly, what it means."""
+    if not math.isfinite(epsilon):
+        warnings.warn(
+            "ε is infinite: these settings give no (ε, δ) guarantee (the noise is too small "
+            "for the number of steps); raise --noise-multiplier or lower --steps",
+            stacklevel=2,
+        )
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: an unbounded ε is printed as null."""
+    return value if math.isfinite(value) else None
+
+
+def _emit(result: dict[str, object], title: str, as_json: bool) -> None:
+    """Print a result as one JSON object, or as a short human-readable table."""
+    if as_json:
+        typer.echo(
+            json.dumps({k: _finite(v) if isinstance(v, float) else v for k, v in result.items()})
+        )
+        return
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in result.items():
+        shown = f"{value:.6g}" if isinstance(value, float) else str(value)
+        table.add_row(key.replace("_", " "), shown)
+    Console().print(table)
+
+
+@app.command()
+def account(
+    sampling_rate: Annotated[float, typer.Option(help="Poisson sampling rate q = B / N.")],
+    noise_multiplier: Annotated[float, typer.Option(help="Noise multiplier σ (std / clip norm).")],
+    steps: Annotated[int, typer.Option(help=f"Number of DP-SGD steps (at most {MAX_STEPS:,}).")],
+    delta: DeltaOption,
+    accountant: AccountantOption = AccountantChoice.pld,
+    as_json: JsonOption = False,
+) -> None:
+    """ε spent by Poisson-sampled DP-SGD with the given q, σ and number of steps."""
+    with _user_errors():
+        event = dpsgd_event(sampling_rate, noise_multiplier, steps)
+        tracker = make_accountant(accountant.value).compose(event)
+        extra: dict[str, object] = {}
+        if isinstance(tracker, RdpAccountant):
+            details = tracker.epsilon_details(delta)
+            epsilon, extra["rdp_order"] = details.epsilon, details.order
+        else:
+            epsilon = tracker.epsilon(delta)
+        _warn_if_unbounded(epsilon)
+        result: dict[str, object] = {
+            "epsilon": epsilon,
+            "delta": delta,
+            "accountant": accountant.value,
+            "sampling_rate": sampling_rate,
+            "noise_multiplier": noise_multiplier,
+            "steps": steps,
+            **extra,
+        }
+        _emit(result, "DP-SGD privacy (add-or-remove adjacency, Poisson sampling)", as_json)
+
+
+@app.command()
+def plan(
+    dataset_size: Annotated[int, typer.Option(help="Number of training examples N.")],
+    batch_size: Annotated[int, typer.Option(help="Expected batch size B (q = B / N).")],
+    epochs: Annotated[float, typer.Option(help="Passes over the data (steps = ⌈E·N/B⌉).")],
+    target_epsilon: Annotated[float, typer.Option(help="The ε to meet.")],
+    delta: DeltaOption,
+    accountant: AccountantOption = AccountantChoice.pld,
+    as_json: JsonOption = False,
+) -> None:
+    """The smallest noise multiplier σ that meets (ε, δ) for the given data, batch and epochs."""
+    with _user_errors():
+        if dataset_size < 1:
+            raise ValueError(f"dataset_size must be a whole number >= 1, got {dataset_size}")
+        if not 1 <= batch_size <= dataset_size:
+            raise ValueError(
+                f"batch_size must lie in [1, dataset_size={dataset_size}], got {batch_size}"
+            )
+        if not (math.isfinite(epochs) and epochs > 0):
+            raise ValueError(f"epochs must be a finite number > 0, got {epochs}")
+        rate = batch_size / dataset_size
+        try:
+            passes = epochs * dataset_size / batch_size
+        except OverflowError:  # a dataset size beyond any float
+            passes = math.inf
+        if passes > MAX_STEPS:
+            raise ValueError(
+                f"⌈epochs·N/B⌉ = {passes:.3g} steps exceeds the {MAX_STEPS:,} the accountants "
+                "compose; lower --epochs or --dataset-size, or raise --batch-size"
+            )
+        steps = max(1, math.ceil(passes))
+        sigma = calibrate_noise_multiplier(
+            target_epsilon, delta, rate, steps, accountant=accountant.value
+        )
+        epsilon = (
+            make_accountant(accountant.value)
+            .compose(dpsgd_event(rate, sigma, steps))
+            .epsilon(delta)
+        )
+        result = {
+            "epsilon": epsilon,
+            "delta": delta,
+            "accountant": accountant.value,
+            "noise_multiplier": sigma,
+            "sampling_rate": rate,
+            "steps": steps,
+            "target_epsilon": target_epsilon,
+        }
+        _emit(result, "DP-SGD plan (add-or-remove adjacency, Poisson sampling)", as_json)
+
+
+OptimizerChoice = Enum("OptimizerChoice", {name: name for name in OPTIMIZER_NAMES}, type=str)
+UnitChoice = Enum("UnitChoice", {name: name for name in UNIT_NAMES}, type=str)
+_TRAIN = TrainConfig()
+_OPTIMIZER = OptimizerChoice(_TRAIN.optimizer)
+_UNIT = UnitChoice(_TRAIN.unit)
+
+
+class ReportFormat(str, Enum):
+    """Report renderings."""
+
+    md = "md"
+    json = "json"
+
+
+_SEED_HELP = (
+    "Seed sampling and noise too, for reproducible experiments (the report then flags the run: "
+    "whoever knows the seed can replay the noise); 0 to 2**63 - 1. Default: OS entropy; init "
+    "and splits use 0."
+)
+_EPOCHS_BOUND = f"at most {MAX_EPOCHS}"
+_OUT_HELP = "Run directory: new or empty, never shared (default: a fresh runs/…)."
+
+
+@app.command()
+def train(
+    dataset: Annotated[str, typer.Option(help="digits, breast-cancer, fashion-mnist, …")] = (
+        _TRAIN.dataset
+    ),
+    model: Annotated[str, typer.Option(help="logreg, mlp or cnn (GroupNorm CNN).")] = _TRAIN.model,
+    target_epsilon: Annotated[float, typer.Option(help="The ε to spend.")] = _TRAIN.target_epsilon,
+    delta: Annotated[
+        float | None, typer.Option(help="δ; default: a power of ten at least 10× below 1/N.")
+    ] = _TRAIN.delta,
+    epochs: Annotated[float, typer.Option(help=f"Passes over the data ({_EPOCHS_BOUND}).")] = (
+        _TRAIN.epochs
+    ),
+    batch_size: Annotated[int, typer.Option(help="Expected batch size B.")] = _TRAIN.batch_size,
+    max_grad_norm: Annotated[float, typer.Option(help="Clip norm C.")] = _TRAIN.max_grad_norm,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = _TRAIN.lr,
+    optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
+    out: Annotated[str | None, typer.Option(help=_OUT_HELP)] = None,
+    seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _TRAIN.seed,
+    baseline: Annotated[bool, typer.Option("--baseline", help="Also train non-privately.")] = False,
+    data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
+    engine: Annotated[str, typer.Option(help="Gradient engine: auto, fast, vmap.")] = _TRAIN.engine,
+    unit: Annotated[
+        UnitChoice,
+        typer.Option(
+            help="Unit of privacy: example, or user (simulated skewed users; "
+            "--batch-size then counts users per step)."
+        ),
+    ] = _UNIT,
+    users: Annotated[int, typer.Option(help="Simulated users (with --unit user).")] = _TRAIN.users,
+    max_user_examples: Annotated[
+        int | None, typer.Option(help="Cap on a sampled user's examples per step (--unit user).")
+    ] = _TRAIN.max_examples_per_user,
+    algorithm: Annotated[
+        str, typer.Option(help="dp-sgd, or dp-ftrl (no sampling assumption; --optimizer sgd).")
+    ] = _TRAIN.algorithm,
+) -> None:
+    """Train with DP-SGD on a bundled real dataset and write the privacy report card."""
+    from dpfy.jobs.train import TrainConfig, run_training
+
+    with _user_errors():
+        if delta is not None and not (0 < delta < 1):
+            raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+        config = TrainConfig(
+            dataset=dataset, model=model, target_epsilon=target_epsilon, delta=delta,
+            epochs=epochs, batch_size=batch_size, max_grad_norm=max_grad_norm, lr=lr,
+            optimizer=optimizer.value, out=_out_dir(out), seed=seed, baseline=baseline,
+            data_dir=data_dir, engine=engine, unit=unit.value, users=users,
+            max_examples_per_user=max_user_examples, algorithm=algorithm,
+        )  # fmt: skip
+        console = Console()
+        result = run_training(config, console)
+        if result.rank != 0:  # under torchrun, rank 0 prints the run
+            return
+        table = Table(title=f"Run {result.run_dir}", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        table.add_row("test accuracy (DP)", f"{result.test_accuracy:.4f}")
+        if result.baseline_accuracy is not None:
+            table.add_row("test accuracy (non-private)", f"{result.baseline_accuracy:.4f}")
+        table.add_row(
+            "ε spent", f"{result.epsilon:.4f} at δ = {result.delta:g} ({config.unit}-level)"
+        )
+        table.add_row("time", f"{result.seconds:.1f} s")
+        console.print(table)
+        console.print((result.run_dir / "report.md").read_text(), markup=False)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `dpfy train`.")],
+    format: Annotated[ReportFormat, typer.Option(help="md or json.")] = ReportFormat.md,
+) -> None:
+    """Re-render a run's privacy report card from the facts it saved."""
+    from dpfy.report.render import render_run
+
+    with _user_errors():
+        if not (run_dir / "facts.json").exists():
+            raise ValueError(
+                f"{run_dir} holds no dpfy run (no facts.json); pass a `dpfy train` run directory"
+            )
+        typer.echo(render_run(run_dir, format.value))
+
+
+@app.command()
+def tune(
+    dataset: Annotated[str, typer.Option(help="digits, fashion-mnist, …")] = "digits",
+    search: Annotated[str, typer.Option(help="clip (ClipSearch), lr-clip (grid) or random.")] = (
+        "clip"
+    ),
+    trials: Annotated[
+        int, typer.Option(help="random: configs drawn; random-trials: mean number of runs.")
+    ] = 5,
+    tuning_accounting: Annotated[
+        str | None,
+        typer.Option(help="compose, exponential, random-trials or public (required)."),
+    ] = None,
+    public_data: Annotated[
+        str | None, typer.Option(help="Declaration of the public tuning data (for public).")
+    ] = None,
+    distribution: Annotated[
+        str, typer.Option(help="random-trials: poisson, geometric, logarithmic, ….")
+    ] = "poisson",
+    clip_grid: Annotated[str, typer.Option(help="ClipSearch grid of C, comma-separated.")] = (
+        "0.1,0.3,1,3,10"
+    ),
+    lr_grid: Annotated[str, typer.Option(help="lr-clip: learning rates.")] = "0.001,0.01,0.1",
+    tolerance: Annotated[float, typer.Option(help="ClipSearch relative tolerance, (0, 1).")] = 0.02,
+    target_epsilon: Annotated[float, typer.Option(help="ε of the final training run.")] = 3.0,
+    epochs: Annotated[float, typer.Option(help=f"Epochs of the final run ({_EPOCHS_BOUND}).")] = 20,
+    trial_epochs: Annotated[
+        float, typer.Option(help=f"Epochs of each tuning trial ({_EPOCHS_BOUND}).")
+    ] = 2,
+    optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
+    lr: Annotated[float, typer.Option(help="Learning rate (ClipSearch, the default).")] = 0.01,
+    out: Annotated[
+        str | None, typer.Option(help="Output directory: new or empty (default: runs/tune-…).")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
+) -> None:
+    """Tune hyperparameters under privacy (guide §5.4), train the choice, report both costs."""
+    from dpfy.tune.command import tune_command
+
+    with _user_errors():
+        tune_command(
+            dataset=dataset, search=search, trials=trials, accounting=tuning_accounting,
+            public_data=public_data, distribution=distribution, clip_grid=clip_grid,
+            lr_grid=lr_grid, tolerance=tolerance, target_epsilon=target_epsilon, epochs=epochs,
+            trial_epochs=trial_epochs, optimizer=optimizer.value, lr=lr, out=_out_dir(out),
+            seed=seed, data_dir=data_dir,
+        )  # fmt: skip
+
+
+_FED = FederatedConfig()
+
+
+@app.command()
+def federated(
+    dataset: Annotated[str, typer.Option(help="digits, fashion-mnist, …")] = _FED.dataset,
+    model: Annotated[str, typer.Option(help="logreg, mlp or cnn.")] = _FED.model,
+    users: Annotated[
+        int, typer.Option(help="Simulated users (skewed non-IID split).")
+    ] = _FED.users,
+    alpha: Annotated[
+        float, typer.Option(help="Dirichlet label skew (small = skewed).")
+    ] = _FED.alpha,
+    clients_per_round: Annotated[
+        int, typer.Option(help="Expected users per round B_c.")
+    ] = _FED.clients_per_round,
+    rounds: Annotated[int, typer.Option(help="Rounds T.")] = _FED.rounds,
+    local_steps: Annotated[
+        int, typer.Option(help="Local SGD steps K (1 = FedSGD).")
+    ] = _FED.local_steps,
+    local_batch_size: Annotated[
+        int | None, typer.Option(help="Local batch B_m (default: all of a user's data).")
+    ] = _FED.local_batch_size,
+    client_lr: Annotated[float, typer.Option(help="Client learning rate η_c.")] = _FED.client_lr,
+    server_lr: Annotated[float, typer.Option(help="Server learning rate η_s.")] = _FED.server_lr,
+    server_optimizer: Annotated[
+        str, typer.Option(help="sgd, momentum or adam.")
+    ] = _FED.server_optimizer,
+    clip_norm: Annotated[
+        float, typer.Option(help="Clip norm C of each user's change.")
+    ] = _FED.clip_norm,
+    target_epsilon: Annotated[
+        float, typer.Option(help="User-level ε to spend.")
+    ] = _FED.target_epsilon,
+    delta: Annotated[float | None, typer.Option(help="δ; default ≥ 10× below 1/users.")] = None,
+    seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _FED.seed,
+    out: Annotated[str | None, typer.Option(help=_OUT_HELP)] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
+) -> None:
+    """Train with DP-FedAvg over simulated users (user-level DP) and write the report card."""
+    from dpfy.federated.experiment import federated_command
+
+    with _user_errors():
+        federated_command(
+            dataset=dataset, model=model, users=users, alpha=alpha,
+            clients_per_round=clients_per_round, rounds=rounds, local_steps=local_steps,
+            local_batch_size=local_batch_size, client_lr=client_lr, server_lr=server_lr,
+            server_optimizer=server_optimizer, clip_norm=clip_norm,
+            target_epsilon=target_epsilon, delta=delta, seed=seed, out=_out_dir(out),
+            data_dir=data_dir,
+        )  # fmt: skip
+
+
+def main() -> None:
+    """Console entry point."""
+    app(prog_name="dpfy")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Batches for DP-FTRL: each epoch visits every example at most once, shuffled or in a fixed order.
+
+DP-FTRL needs no sampling assumption (Kairouz et al. 2021; guide §4.3, tab. 3): any order chosen
+independently of the data will do, as long as an example enters each tree at most once. These
+samplers cut each epoch (a fresh permutation, or ``0..N-1`` every time) into ``N // B`` batches of
+exactly B; the ``N mod B`` examples left over sit out that epoch (in a fixed order, always the
+same ones — they are never trained on). Their records say "no sampling assumption".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpfy.data.sampling import ShuffleSampler
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+
+
+class OrderedSampler(ShuffleSampler):
+    """One pass per epoch in shuffled (``shuffle=True``) or fixed order, recorded for DP-FTRL."""
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        shuffle: bool = True,
+        secure: bool = False,
+    ) -> None:
+        self.shuffle = bool(shuffle)
+        self.kind = SamplingKind.TREE_SHUFFLE if self.shuffle else SamplingKind.TREE_FIXED_ORDER
+        super().__init__(dataset_size, batch_size, steps, generator, secure=secure)
+
+    @property
+    def record(self) -> SamplingRecord:
+        """Fixed-size batches in the stated order; DP-FTRL's accounting assumes no sampling."""
+        return SamplingRecord(
+            self.kind, self.batch_size / self.dataset_size, self.dataset_size, self.batch_size
+        )
+
+    def _draw(self) -> torch.Tensor:
+        if self.shuffle:
+            return super()._draw()
+        if self._permutation is None or self._offset >= self.batches_per_epoch:
+            self._permutation = torch.arange(self.dataset_size)
+            self._offset = 0
+        start = self._offset * self.batch_size
+        self._offset += 1
+        return self._permutation[start : start + self.batch_size]
+
+
+#: The orders make_private offers for DP-FTRL, by the name users pass as ``sampler``.
+ORDERS = {
+    "shuffle": SamplingKind.TREE_SHUFFLE,
+    "tree-shuffle": SamplingKind.TREE_SHUFFLE,
+    "fixed-order": SamplingKind.TREE_FIXED_ORDER,
+    "tree-fixed-order": SamplingKind.TREE_FIXED_ORDER,
+}
+
+
+def parse_order(sampler: SamplingKind | str | None) -> SamplingKind:
+    """The DP-FTRL order for ``sampler``; Poisson or fixed-size subsampling is refused with why."""
+    if sampler is None:
+        return SamplingKind.TREE_SHUFFLE
+    name = sampler.value if isinstance(sampler, SamplingKind) else str(sampler).strip().lower()
+    if name in ORDERS:
+        return ORDERS[name]
+    raise ValueError(
+        f"DP-FTRL takes batches in order, each example once per epoch, and is accounted with no "
+        f"sampling assumption, so sampler={name!r} has no meaning for it: choose "
+        "sampler='shuffle' or 'fixed-order' (or train with DP-SGD to use Poisson sampling)"
+    )

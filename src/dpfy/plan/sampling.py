@@ -1,0 +1,227 @@
+"""What a sampler did, stated plainly enough that the ledger and report never have to guess.
+
+DESIGN rule 4: the sampler, not the user, tells the ledger how data was drawn. A sampler hands out
+a :class:`SamplingRecord`; the ledger turns it into a :class:`~dpfy.plan.accounting.DpEvent` for
+each
+step. Shuffled or fixed-size batches are never silently accounted as Poisson (guide §4.3, §5.3.1):
+the record says which event is accounted and whether that event really describes the sampling.
+
+This module is torch-free so a ledger can be loaded and reported without torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dpfy._validate import check_count, check_sampling_rate
+from dpfy.plan.accounting.events import (
+    DpEvent,
+    FixedSizeSampledEvent,
+    GaussianEvent,
+    NoOpEvent,
+    PoissonSampledEvent,
+    SelfComposedEvent,
+)
+
+
+class SamplingKind(enum.Enum):
+    """How batches were drawn from the dataset."""
+
+    POISSON = "poisson"
+    SHUFFLE = "shuffle"
+    FIXED_SIZE = "fixed-size"
+    TREE_SHUFFLE = "tree-shuffle"  # DP-FTRL (dpfy.train.ftrl): no sampling assumption
+    TREE_FIXED_ORDER = "tree-fixed-order"
+
+    @property
+    def description(self) -> str:
+        """One sentence for the privacy report (guide §5.3.3: say whether assumptions hold)."""
+        return _DESCRIPTIONS[self]
+
+    @classmethod
+    def parse(cls, value: SamplingKind | str) -> SamplingKind:
+        """Accept the enum or its hyphenated name, with an error that lists the choices."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower().replace("_", "-"))
+        except ValueError:
+            choices = ", ".join(k.value for k in cls)
+            raise ValueError(f"sampling must be one of {choices}; got {value!r}") from None
+
+
+_DESCRIPTIONS = {
+    SamplingKind.POISSON: (
+        "Poisson sampling: every example joins each batch independently with probability q "
+        "(batch sizes vary; empty batches are steps too)."
+    ),
+    SamplingKind.SHUFFLE: (
+        "Shuffled fixed-size batches, one pass per epoch: NOT Poisson. It is accounted as if it "
+        "were Poisson with q = B/N, an assumption it does not meet (guide §4.3)."
+    ),
+    SamplingKind.FIXED_SIZE: (
+        "Fixed-size batches drawn uniformly without replacement at every step: NOT Poisson. "
+        "Accounted as fixed-size subsampling, which has sound bounds under replace-one "
+        "adjacency only."
+    ),
+    SamplingKind.TREE_SHUFFLE: (
+        "Shuffled fixed-size batches, one pass per epoch, trained with DP-FTRL: NO sampling "
+        "assumption is used. The noise is accounted as tree aggregation (Kairouz et al. 2021), "
+        "which holds for any data order in which each example enters a tree at most once."
+    ),
+    SamplingKind.TREE_FIXED_ORDER: (
+        "Fixed-size batches in a fixed order, one pass per epoch, trained with DP-FTRL: NO "
+        "sampling assumption is used. The noise is accounted as tree aggregation (Kairouz et al. "
+        "2021), which holds for any data order in which each example enters a tree at most once."
+    ),
+}
+
+#: Kinds whose steps are DP-FTRL tree-aggregation steps rather than subsampled Gaussians.
+TREE_KINDS = frozenset({SamplingKind.TREE_SHUFFLE, SamplingKind.TREE_FIXED_ORDER})
+
+
+#: The record a sampler draws: one example, or one user with all of their examples (guide §2.1).
+SAMPLING_UNITS = ("example", "user")
+
+_USER_POISSON = (
+    "Poisson sampling of users: every user joins each step independently with probability q "
+    "(the number of users varies; empty steps are steps too), bringing their examples with them."
+)
+
+
+@dataclass(frozen=True)
+class SamplingRecord:
+    """How one step's batch was drawn; the accounted event and its honesty derive from it.
+
+    ``sampling_rate`` is q = B/N from the dataset size and the (expected) batch size, never from a
+    loader length. ``batch_size`` is the fixed batch size for the non-Poisson kinds and None for
+    Poisson, whose realised size is random and must not influence accounting (DESIGN rule 1).
+    ``unit`` is what was sampled: ``"example"``, or ``"user"`` — then ``dataset_size`` counts
+    users and q = B_users / N_users (user-level DP, guide §2.1, §4.4).
+    """
+
+    kind: SamplingKind
+    sampling_rate: float
+    dataset_size: int
+    batch_size: int | None = None
+    unit: str = "example"
+    #: DP-FTRL only: tree nodes able to hold one example's gradient that this step newly
+    #: releases (0 or 1, :func:`dpfy.plan.tree_events.new_tree_nodes`).
+    tree_nodes: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", SamplingKind.parse(self.kind))
+        if self.unit not in SAMPLING_UNITS:
+            raise ValueError(
+                f"sampling unit must be one of {', '.join(SAMPLING_UNITS)}; got {self.unit!r}"
+            )
+        object.__setattr__(self, "sampling_rate", check_sampling_rate(self.sampling_rate))
+        object.__setattr__(self, "tree_nodes", check_count("tree_nodes", self.tree_nodes))
+        if self.tree_nodes and self.kind not in TREE_KINDS:
+            raise ValueError(f"a {self.kind.value} record releases no tree nodes; pass 0")
+        object.__setattr__(
+            self, "dataset_size", check_count("dataset_size", self.dataset_size, minimum=1)
+        )
+        if self.kind is SamplingKind.POISSON:
+            if self.batch_size is not None:
+                raise ValueError(
+                    "a Poisson record has no fixed batch_size (its size is random); pass None"
+                )
+            return
+        if self.batch_size is None:
+            raise ValueError(f"a {self.kind.value} record needs its fixed batch_size")
+        object.__setattr__(
+            self, "batch_size", check_count("batch_size", self.batch_size, minimum=1)
+        )
+        if self.batch_size > self.dataset_size:
+            raise ValueError(
+                f"batch_size must be at most dataset_size ({self.dataset_size}), "
+                f"got {self.batch_size}"
+            )
+
+    @property
+    def assumption_met(self) -> bool:
+        """Whether :meth:`event` describes what the sampler really did (False for shuffling)."""
+        return self.kind is not SamplingKind.SHUFFLE  # tree kinds assume no sampling at all
+
+    @property
+    def description(self) -> str:
+        """The report sentence for this kind of sampling (and unit)."""
+        if self.unit == "user" and self.kind is SamplingKind.POISSON:
+            return _USER_POISSON
+        return self.kind.description
+
+    def event(self, noise_multiplier: float) -> DpEvent:
+        """The event accounted for one DP-SGD step with noise multiplier σ (DESIGN rule 4).
+
+        Poisson and shuffle both give ``PoissonSampledEvent(q, GaussianEvent(σ))`` — for the
+        shuffle sampler that is an assumption not met, and :attr:`assumption_met` says so.
+        Fixed-size sampling gives its honest ``FixedSizeSampledEvent``.
+        """
+        if self.kind in TREE_KINDS:
+            return _tree_step_event(noise_multiplier, self.tree_nodes)
+        if self.kind is SamplingKind.FIXED_SIZE:
+            return FixedSizeSampledEvent(
+                self.dataset_size, self.batch_size, GaussianEvent(noise_multiplier)
+            )
+        return self.poisson_event(noise_multiplier)
+
+    def poisson_event(self, noise_multiplier: float) -> DpEvent:
+        """The event this step would be under Poisson sampling at the same q (for comparison).
+
+        A DP-FTRL step's accounting uses no sampling, so Poisson sampling would change nothing.
+        """
+        if self.kind in TREE_KINDS:
+            return self.event(noise_multiplier)
+        return PoissonSampledEvent(self.sampling_rate, GaussianEvent(noise_multiplier))
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-JSON form, for ledgers and reports (``unit`` only when it is not "example")."""
+        data: dict[str, object] = {
+            "kind": self.kind.value,
+            "sampling_rate": self.sampling_rate,
+            "dataset_size": self.dataset_size,
+            "batch_size": self.batch_size,
+        }
+        if self.unit != "example":
+            data["unit"] = self.unit
+        if self.kind in TREE_KINDS:
+            data["tree_nodes"] = self.tree_nodes
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> SamplingRecord:
+        """Inverse of :meth:`to_dict`; validation errors are ValueErrors."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a sampling record must be a dict, got {type(data).__name__}")
+        unknown = set(data) - {
+            "kind", "sampling_rate", "dataset_size", "batch_size", "unit", "tree_nodes"
+        }  # fmt: skip
+        if unknown:
+            raise ValueError(f"unknown sampling record fields: {sorted(unknown)}")
+        try:
+            return cls(
+                kind=data["kind"],
+                sampling_rate=data["sampling_rate"],
+                dataset_size=data["dataset_size"],
+                batch_size=data.get("batch_size"),
+                unit=data.get("unit", "example"),
+                tree_nodes=data.get("tree_nodes", 0),
+            )
+        except KeyError as missing:
+            raise ValueError(f"sampling record lacks the field {missing}") from None
+        except TypeError as err:
+            raise ValueError(f"malformed sampling record: {err}") from None
+
+
+def _tree_step_event(noise_multiplier: float, nodes: int) -> DpEvent:
+    """A DP-FTRL step: one Gaussian per newly released node that can hold an example's gradient.
+
+    Summed over a tree these give the tree-aggregation bound of Kairouz et al. 2021 (App. D):
+    ⌈log₂(T+1)⌉ Gaussians of noise σ, i.e. one Gaussian of noise σ/√depth.
+    """
+    if nodes == 0:
+        return NoOpEvent()
+    event = GaussianEvent(noise_multiplier)
+    return event if nodes == 1 else SelfComposedEvent(event, nodes)

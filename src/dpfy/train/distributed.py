@@ -1,0 +1,447 @@
+"""DP-SGD across processes (torch.distributed): the same guarantee as one process, one ledger.
+
+Why this preserves the single-process guarantee (central DP, guide §3.1, alg. 1):
+
+- **Sampling.** Each rank Poisson-samples its own disjoint shard of the whole dataset at the
+  *global* rate q = B/N with an independently seeded stream
+  (:class:`~dpfy.data.sharding.ShardedPoissonSampler`), so the union of the local batches is a
+  Poisson sample of the whole dataset at rate q — the event the ledger accounts.
+- **Clipping** is per example, on the rank that holds the example, with the same C everywhere.
+- **Aggregation.** The clipped sums are added up across ranks with one all-reduce per logical
+  batch, every rank taking part in every step (an empty local batch contributes zeros).
+- **Noise exactly once.** Each of the W ranks adds an independent share N(0, σ²C²/W) to its local
+  clipped sum before the all-reduce; the shares sum to N(0, σ²C²), exactly the single-process
+  noise. Shares rather than one noising rank because (i) no single rank's generator decides the
+  noise, so one predictable or replayed stream does not expose the sum; (ii) every rank runs the
+  same code path, with no special rank; (iii) the all-reduce never carries a noiseless sum. The
+  price is that the shares must be independent: each rank's noise (and sampling) stream is seeded
+  separately — from the OS by default, or from :func:`derive_seed` (user seed, rank, purpose) when
+  a seed is given.
+- **Division by the global expected batch size** B = qN (DESIGN rule 1), never a local or realised
+  size; every rank ends with the same noisy averaged gradient and applies the same update.
+- **One ledger.** Every rank records the same step (same σ, q, record) and so holds an identical
+  ledger; :func:`ProcessGroupReplicas.verify_ledger` checks it. At start-up
+  :meth:`ProcessGroupReplicas.check_agreement` refuses ranks that disagree on N, B, q, σ, C,
+  steps, δ, accountant or the model's trainable parameters.
+
+Trust model: central DP. The ranks and the aggregation are trusted (they see clipped, not yet
+fully noised, partial sums); what is protected is what the run releases — the model and reports.
+Checkpoints are not releases: they hold every rank's sampler and noise-generator state, from which
+past batches and noise can be reconstructed, so they must stay as private as the data.
+
+Failures: every collective is wrapped; if another rank crashed, was killed, skipped a step or the
+network failed, the collective fails (at once, or after the process-group timeout) and this rank
+raises :class:`PeerFailure` before the step changes its model or ledger, so the last checkpoint
+(written by rank 0, holding every rank's sampler and noise state) remains a valid resume point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dpfy.data.sampling import DpBatchSampler, sampling_rate_for
+from dpfy.data.sharding import ShardedPoissonSampler
+from dpfy.plan.sampling import SamplingKind
+
+T = TypeVar("T")
+_SEED_PURPOSES = {"sampling": 0, "noise": 1}
+_ACCOUNTED = ("accountant", "relation", "delta", "target_epsilon", "entries")
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed: another rank most likely stopped; this rank's step was not applied."""
+
+
+class RanksOutOfStep(RuntimeError):
+    """Ranks reached the same collective at different steps (one skipped or repeated a step)."""
+
+
+class RankMismatch(ValueError):
+    """Ranks disagree on a setting the privacy guarantee depends on; nothing was started."""
+
+
+class GradientAggregator(Protocol):
+    """Turns this rank's noised clipped sums into the noisy total the optimizer divides by B.
+
+    Each rank adds its own noise share of std ``share_std(std)`` to its clipped sum (the
+    optimizer opens each sum from it); ``combine`` sums those over the ranks,
+    so the total carries N(0, std²) per coordinate exactly once.
+    """
+
+    def share_std(self, std: float) -> float:
+        """The std of this rank's share, so that the shares of all ranks add up to ``std``."""
+        ...
+
+    def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Σ over all ranks of each rank's noised clipped sums, per parameter."""
+        ...
+
+    def skip(self) -> None:
+        """This rank abandons the current logical batch (its step was refused or failed)."""
+        ...
+
+
+class LocalAggregator:
+    """One process: the clipped sum plus the whole noise, no communication."""
+
+    def share_std(self, std: float) -> float:
+        """The only rank adds all the noise."""
+        return std
+
+    def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Nothing to sum over: this rank's noised sums are the total."""
+        return noised
+
+    def skip(self) -> None:
+        """Nothing to keep in step with."""
+
+
+def derive_seed(seed: int, rank: int, purpose: str) -> int:
+    """An independent 63-bit seed for (seed, rank, purpose), by NumPy's SeedSequence hashing.
+
+    Ranks must not share streams (see :mod:`dpfy.data.sharding`); adding the rank to the seed
+    would make run (seed=1, rank=0) replay run (seed=0, rank=1), so the seed is hashed instead.
+    """
+    if purpose not in _SEED_PURPOSES:
+        raise ValueError(f"purpose must be one of {', '.join(_SEED_PURPOSES)}; got {purpose!r}")
+    entropy = int(seed) % (1 << 64)  # torch accepts negative seeds; SeedSequence does not
+    sequence = np.random.SeedSequence(entropy, spawn_key=(int(rank), _SEED_PURPOSES[purpose]))
+    return int(sequence.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+class SingleProcess:
+    """The replicas of a one-process run: one rank, nothing to gather, nothing to wait for."""
+
+    rank = 0
+    world_size = 1
+    is_writer = True
+
+    def sampling_seed(self, seed: int) -> int:
+        """The user's seed, as before distributed training existed."""
+        return seed
+
+    def noise_seed(self, seed: int) -> int:
+        """seed + 1: the noise stream differs from the sampling stream."""
+        return seed + 1
+
+    def aggregator(self) -> GradientAggregator:
+        """Local noise, no communication."""
+        return LocalAggregator()
+
+    def sampler(
+        self,
+        kind: SamplingKind,
+        dataset_size: int,
+        batch_size: int,
+        steps: int,
+        generator: torch.Generator | None,
+        secure: bool = False,
+    ) -> SamplingKind | DpBatchSampler:
+        """The loader builds its own sampler of this kind."""
+        return kind
+
+    def gather(self, state: T) -> T:
+        """A one-process checkpoint holds this process's state as is."""
+        return state
+
+    def mine(self, state: Any) -> Any:
+        """The state to load; refuses a checkpoint written by a multi-rank run."""
+        if isinstance(state, Mapping) and "ranks" in state:
+            raise ValueError(
+                f"the checkpoint was written by a distributed run of {len(state['ranks'])} ranks; "
+                "resume it with the same number of ranks (torchrun --nproc-per-node …)"
+            )
+        return state
+
+    def barrier(self) -> None:
+        """Nothing to wait for."""
+
+    def on_writer(self, task: Callable[[], T]) -> T:
+        """Run ``task`` here: the only process is the writer."""
+        return task()
+
+    def check_agreement(self, values: Mapping[str, Any]) -> None:
+        """One process always agrees with itself."""
+
+    def broadcast_model(self, model: nn.Module) -> None:
+        """Nothing to synchronise."""
+
+    def verify_ledger(self, ledger: Any) -> None:
+        """One ledger, trivially identical."""
+
+
+class ProcessGroupReplicas:
+    """The ranks of the default torch.distributed process group, training one model together."""
+
+    def __init__(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "distributed=True needs an initialised process group: call "
+                "torch.distributed.init_process_group() first (torchrun sets the environment), "
+                "or leave distributed=None"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.is_writer = self.rank == 0
+        self._device = _collective_device()
+
+    def sampling_seed(self, seed: int) -> int:
+        """This rank's own sampling stream."""
+        return derive_seed(seed, self.rank, "sampling")
+
+    def noise_seed(self, seed: int) -> int:
+        """This rank's own noise-share stream."""
+        return derive_seed(seed, self.rank, "noise")
+
+    def aggregator(self) -> GradientAggregator:
+        """All-reduce of noise shares, with a step-sequence check."""
+        return AllReduceAggregator(self)
+
+    def sampler(
+        self,
+        kind: SamplingKind,
+        dataset_size: int,
+        batch_size: int,
+        steps: int,
+        generator: torch.Generator | None,
+        secure: bool = False,
+    ) -> SamplingKind | DpBatchSampler:
+        """This rank's shard, Poisson-sampled at the global q = B/N; other samplers refused."""
+        if kind is not SamplingKind.POISSON:
+            raise ValueError(
+                f"distributed training supports Poisson sampling only, got {kind.value!r}: "
+                "sharded shuffled or fixed-size batches are not the sampling any accountant "
+                "here describes; use sampler='poisson'"
+            )
+        rate = sampling_rate_for(dataset_size, batch_size)
+        return ShardedPoissonSampler(
+            dataset_size, rate, steps, self.rank, self.world_size, generator, secure=secure
+        )
+
+    def run(self, what: str, collective: Callable[[], T]) -> T:
+        """Run a collective, turning a communication failure into one clear :class:`PeerFailure`."""
+        try:
+            return collective()
+        except (RankMismatch, RanksOutOfStep):
+            raise
+        except RuntimeError as err:
+            raise PeerFailure(
+                f"rank {self.rank} of {self.world_size}: the {what} failed ({err}). Most likely "
+                "another rank stopped (it crashed, was killed, raised an error such as "
+                "NonFiniteGradientError, or left the training loop early) or the network between "
+                "ranks failed; the process-group timeout bounds how long this takes to notice. "
+                "This rank's model and ledger were not changed by the failed step. Stop every rank "
+                "and resume all of them from the last checkpoint."
+            ) from err
+
+    def gather(self, state: T) -> dict[str, Any]:
+        """Every rank's ``state``, in rank order (collective: every rank must call it)."""
+        states: list[Any] = [None] * self.world_size
+        self.run("gathering of checkpoint state", lambda: dist.all_gather_object(states, state))
+        return {"world_size": self.world_size, "ranks": states}
+
+    def mine(self, state: Any) -> Any:
+        """This rank's entry of a gathered state; refuses another world size or a 1-rank state."""
+        if not (isinstance(state, Mapping) and "ranks" in state):
+            raise ValueError(
+                "the checkpoint was written by a one-process run; resume it without "
+                f"torch.distributed (this run has {self.world_size} ranks)"
+            )
+        if len(state["ranks"]) != self.world_size:
+            raise ValueError(
+                f"the checkpoint was written by {len(state['ranks'])} ranks and this run has "
+                f"{self.world_size}; resume with the same number of ranks"
+            )
+        return state["ranks"][self.rank]
+
+    def barrier(self) -> None:
+        """Wait for every rank (e.g. until rank 0 has written the checkpoint)."""
+        self.run("barrier", lambda: dist.barrier())
+
+    def on_writer(self, task: Callable[[], T]) -> T:
+        """Run ``task`` on rank 0 only; all ranks get its result or its ValueError (collective)."""
+        outcome: list[Any] = [None, None]
+        if self.is_writer:
+            try:
+                outcome[0] = task()
+            except ValueError as err:
+                outcome[1] = str(err)
+        self.run("broadcast from rank 0", lambda: dist.broadcast_object_list(outcome, src=0))
+        if outcome[1] is not None:
+            raise ValueError(outcome[1])
+        return outcome[0]
+
+    def check_agreement(self, values: Mapping[str, Any]) -> None:
+        """Refuse to start unless every rank has the same ``values`` (collective).
+
+        Every rank raises the same :class:`RankMismatch`, naming the first differing setting.
+        """
+        gathered: list[Any] = [None] * self.world_size
+        local = dict(values)
+        self.run("start-up check", lambda: dist.all_gather_object(gathered, local))
+        reference = gathered[0]
+        for rank, other in enumerate(gathered[1:], start=1):
+            differing = [
+                f"{key} (rank 0: {reference[key]!r}, rank {rank}: {other.get(key)!r})"
+                for key in reference
+                if other.get(key) != reference[key]
+            ]
+            if differing:
+                raise RankMismatch(
+                    f"ranks disagree on {'; '.join(differing)}. Every rank must call make_private "
+                    "with the same whole dataset, batch size, ε or σ, clip norm, steps, δ and "
+                    "model; nothing was started"
+                )
+
+    def broadcast_model(self, model: nn.Module) -> None:
+        """Start every rank from rank 0's parameters and buffers (the initialisation is public)."""
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                self.run("broadcast of the initial model", lambda t=tensor: _broadcast(t))
+
+    def verify_ledger(self, ledger: Any) -> None:
+        """Raise unless every rank's ledger accounts the same events (true by construction).
+
+        The realised-batch-size diagnostics (``examples_seen``) are local to each rank and left
+        out: they take no part in accounting (DESIGN rule 1).
+        """
+        state = {k: v for k, v in ledger.state_dict().items() if k in _ACCOUNTED}
+        gathered: list[Any] = [None] * self.world_size
+        self.run("ledger check", lambda: dist.all_gather_object(gathered, state))
+        for rank, other in enumerate(gathered):
+            if other != gathered[0]:
+                raise RanksOutOfStep(
+                    f"the ledgers of rank 0 and rank {rank} differ ({gathered[0]} vs {other}); "
+                    "the ranks did not take the same steps — do not publish this run's ε"
+                )
+
+
+class AllReduceAggregator:
+    """Σ over ranks of (local clipped sum + N(0, std²/W)) by one all-reduce per dtype/device."""
+
+    def __init__(self, replicas: ProcessGroupReplicas) -> None:
+        self.replicas = replicas
+        self.sequence = 0  # logical batches this rank has finished (aggregated or skipped)
+
+    def share_std(self, std: float) -> float:
+        """std/√W: W independent shares add up to variance std²."""
+        return std / math.sqrt(self.replicas.world_size)
+
+    def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The noisy global clipped sum, identical on every rank; nothing changes on failure."""
+        self._check_in_step()
+        noised = dict(noised)
+        for group in _by_dtype_and_device(noised).values():
+            flat = torch.cat([noised[name].reshape(-1) for name in group])
+            self.replicas.run("all-reduce of the clipped sums", lambda f=flat: _all_reduce(f))
+            offset = 0
+            for name in group:
+                size = noised[name].numel()
+                noised[name] = flat[offset : offset + size].view_as(noised[name])
+                offset += size
+        self.sequence += 1
+        return noised
+
+    def skip(self) -> None:
+        """Count the abandoned batch, so the next collective notices ranks out of step."""
+        self.sequence += 1
+
+    def _check_in_step(self) -> None:
+        """Σ s and Σ s² over ranks equal W·s and W·s² only if every rank is at step s."""
+        s = float(self.sequence)
+        world = self.replicas.world_size
+        control = torch.tensor([s, s * s], dtype=torch.float64, device=self.replicas._device)
+        self.replicas.run("step check", lambda: _all_reduce(control))
+        if control[0].item() != world * s or control[1].item() != world * s * s:
+            raise RanksOutOfStep(
+                f"rank {self.replicas.rank} is at logical batch {self.sequence} but the ranks are "
+                "not all there (one skipped a step after an error, or ran a different number of "
+                "batches); distributed DP-SGD needs every rank to take every step. Nothing was "
+                "applied; stop every rank and resume from the last checkpoint"
+            )
+
+
+def _all_reduce(tensor: Tensor) -> None:
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    if work is not None:
+        work.wait()
+
+
+def _broadcast(tensor: Tensor) -> None:
+    dist.broadcast(tensor.data, src=0)
+
+
+def _by_dtype_and_device(tensors: dict[str, Tensor]) -> dict[tuple[Any, Any], list[str]]:
+    """Names grouped so each group can be flattened into one buffer."""
+    groups: dict[tuple[Any, Any], list[str]] = {}
+    for name, tensor in tensors.items():
+        groups.setdefault((tensor.dtype, tensor.device), []).append(name)
+    return groups
+
+
+def _collective_device() -> torch.device:
+    """Where small control tensors live: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def replicas_for(
+    distributed: bool | None, model: nn.Module
+) -> SingleProcess | ProcessGroupReplicas:
+    """Pick one process or the process group; refuse a DDP-wrapped model.
+
+    ``None``: distributed when a process group with more than one rank is initialised.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "pass the plain model (ddp_model.module), not a DistributedDataParallel wrapper: DDP "
+            "averages *unclipped* gradients across ranks, while dpfy all-reduces the clipped, "
+            "noised sums itself (make_private(..., distributed=True))"
+        )
+    if distributed is None:
+        return current_replicas()
+    if distributed not in (True, False):
+        raise ValueError(f"distributed must be None, True or False; got {distributed!r}")
+    return ProcessGroupReplicas() if distributed else SingleProcess()
+
+
+def current_replicas() -> SingleProcess | ProcessGroupReplicas:
+    """The process group if one of more than one rank is initialised, else one process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return ProcessGroupReplicas()
+    return SingleProcess()
+
+
+@contextlib.contextmanager
+def launched_process_group(
+    backend: str = "gloo", timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+) -> Iterator[None]:
+    """Join the process group a launcher such as torchrun describes, for the block's duration.
+
+    Does nothing unless ``WORLD_SIZE`` > 1 and no group is initialised yet (a user's script that
+    set up its own group keeps it). ``timeout`` bounds how long ranks wait for a stopped peer.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group(backend, timeout=timeout)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def trainable_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Names and shapes of the trainable parameters, for the start-up agreement check."""
+    return {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad}

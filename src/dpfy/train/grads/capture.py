@@ -1,0 +1,262 @@
+"""Hooks that record, for each layer call, its inputs and the gradients of its outputs.
+
+The captured tensors live in :class:`Call` objects held by the engine's :class:`Taps`, never on
+``Parameter`` objects. A :class:`Call` is what a layer rule (or the vmap engine) reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from dpfy.train.grads.rows import Rows
+
+__all__ = ["Call", "Tap", "Taps", "output_tensors", "release"]
+
+
+@dataclasses.dataclass
+class Call:
+    """One forward call of one layer: positional inputs, output gradients, and clipping layout.
+
+    ``inputs`` and ``grads`` are batch-first once the engine has prepared the call; ``group`` is
+    the number of consecutive examples per clipping unit (1, or the microbatch size) and the
+    batch size is then a multiple of it. ``grads[j]`` belongs to the j-th output that required
+    grad (position ``out_index[j]`` among the output's tensors); it is None until backward
+    reaches it (None after backward: the output was unused).
+    """
+
+    inputs: tuple[Any, ...]
+    grads: list[Tensor | None]
+    out_meta: list[tuple[torch.Size, torch.dtype, torch.device]]
+    out_index: list[int]
+    versions: tuple[int | None, ...]
+    trainable: frozenset[str]
+    group: int = 1
+    #: Scratch space a rule may fill in ``sq_norms`` and read in ``clipped_sum`` of the same step
+    #: (e.g. per-unit gradients it had to form anyway); dropped with the call.
+    cache: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    #: Per-example gradients (B, F) by parameter name, when the engine reduced the call to them
+    #: during backward (inputs and output gradients are then released); ``size`` is then B.
+    compact: dict[str, Rows] | None = None
+    size: int | None = None
+    #: Whether the layer's parameters were switched off during this call (autograd then
+    #: computed no ordinary gradient for them through this call).
+    skipped: bool = False
+    #: The number of the loader batch in hand when the call ran (None: none, or not followed).
+    stamp: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """Number of examples in this call (first tensor input, batch-first)."""
+        if self.size is not None:
+            return self.size
+        first = next(x for x in self.inputs if isinstance(x, Tensor))
+        return first.shape[0]
+
+    @property
+    def num_units(self) -> int:
+        """Number of clipping units: examples, or microbatches of ``group`` examples."""
+        return self.batch_size // self.group
+
+    def release(self) -> None:
+        """Drop every tensor this call holds (autograd hooks may keep the object itself alive)."""
+        self.inputs, self.versions, self.grads, self.out_meta, self.out_index = (), (), [], [], []
+        self.cache = {}
+        self.compact = None
+
+    def stale_input(self) -> bool:
+        """True when an input was modified in place after the layer read it."""
+        return any(
+            isinstance(x, Tensor) and v is not None and x._version != v
+            for x, v in zip(self.inputs, self.versions, strict=True)
+        )
+
+
+@dataclasses.dataclass
+class Tap:
+    """A layer watched by the engine: its trainable parameter names and the calls seen so far."""
+
+    name: str
+    module: nn.Module
+    trainable: frozenset[str]
+    skip_param_grad: bool
+    calls: list[Call] = dataclasses.field(default_factory=list)
+    frozen: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    reroot: bool = False
+
+
+def output_tensors(value: Any) -> Iterable[Tensor]:
+    """The tensors of a module output (a tensor, or a tuple/list that holds some)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from output_tensors(item)
+
+
+class Taps:
+    """Registers and removes the capture hooks on a set of layers; holds their captured calls."""
+
+    def __init__(
+        self,
+        taps: list[Tap],
+        on_ready: Callable[[Tap, Call], None] | None = None,
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
+        self.taps = taps
+        self.active = True
+        self.on_ready = on_ready  # called in backward once a one-output call has its gradient
+        self.on_start = on_start  # called at the first watched forward call after a clear()
+        self.stamp: Callable[[], int | None] | None = None  # which loader batch is in hand
+        self._fresh = True
+        self._handles: list[RemovableHandle] = []
+
+    def attach(self, root: nn.Module | None = None) -> None:
+        """Register one forward pre-hook and one forward hook per watched layer.
+
+        ``root`` (the whole model) gets a pre-hook too, so that a step starts when the model's
+        forward does, before any code of its own runs ahead of the first watched layer.
+        """
+        if root is not None:
+            self._handles.append(root.register_forward_pre_hook(lambda *_: self._begin()))
+        for tap in self.taps:
+            self._handles.append(tap.module.register_forward_pre_hook(partial(self._pre, tap)))
+            self._handles.append(
+                tap.module.register_forward_hook(partial(self._post, tap), always_call=True)
+            )
+
+    def remove(self) -> None:
+        """Remove every hook and give back any parameter still switched off by a pre-hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for tap in self.taps:
+            self._unfreeze(tap)
+            release(tap)
+
+    def take(self) -> list[Tap]:
+        """The taps that captured at least one call; the caller must clear them afterwards."""
+        return [tap for tap in self.taps if tap.calls]
+
+    def clear(self) -> None:
+        """Drop every captured call (frees activations and output gradients)."""
+        for tap in self.taps:
+            release(tap)
+        self._fresh = True
+
+    def _pre(self, tap: Tap, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Stop autograd computing this layer's ordinary parameter gradient (wasted work).
+
+        Safe when every floating input requires grad (outputs keep their graph through the
+        inputs) or none does (the outputs are then given a fresh autograd root in ``_post``, so
+        backward stops there after handing us their gradients). Mixed inputs are left alone.
+        """
+        self._begin()
+        if not (self.active and torch.is_grad_enabled()):
+            return
+        if not tap.skip_param_grad:
+            return
+        needs = [x.requires_grad for x in args if isinstance(x, Tensor) and x.is_floating_point()]
+        if any(needs) and not all(needs):
+            return  # some outputs could lose their graph; let autograd compute (we discard) it
+        for name in tap.trainable:
+            param = getattr(module, name)
+            if param.requires_grad:
+                param.requires_grad_(False)
+                tap.frozen.append(param)
+        tap.reroot = bool(tap.frozen) and not any(needs)
+
+    def _begin(self) -> None:
+        """The first watched forward call since the last clear() starts a step."""
+        if self._fresh and self.active and torch.is_grad_enabled():
+            self._fresh = False
+            if self.on_start is not None:
+                self.on_start()
+
+    def _post(self, tap: Tap, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Restore the parameters, keep the inputs, and hook the gradient of each output."""
+        reroot, tap.reroot = tap.reroot, False
+        skipped = bool(tap.frozen)
+        self._unfreeze(tap)
+        if not (self.active and torch.is_grad_enabled()):
+            return None
+        if reroot:
+            output = _reroot(output)
+        every = list(output_tensors(output))
+        index = [j for j, t in enumerate(every) if t.requires_grad]
+        if not index:
+            return None
+        outputs = [every[j] for j in index]
+        call = Call(
+            inputs=tuple(args),
+            grads=[None] * len(outputs),
+            out_meta=[(t.shape, t.dtype, t.device) for t in outputs],
+            out_index=index,
+            versions=tuple(x._version if isinstance(x, Tensor) else None for x in args),
+            trainable=tap.trainable,
+            skipped=skipped,
+            stamp=None if self.stamp is None else self.stamp(),
+        )
+        tap.calls.append(call)
+        for j, out in enumerate(outputs):
+            out.register_hook(partial(self._store_grad, tap, call, j))
+        return output if reroot else None
+
+    def _store_grad(self, tap: Tap, call: Call, index: int, grad: Tensor) -> None:
+        """Tensor hook: keep the gradient of one output; hand a complete call to ``on_ready``."""
+        previous = call.grads[index]
+        call.grads[index] = grad if previous is None else previous + grad
+        if self.on_ready is not None and len(call.grads) == 1:
+            self.on_ready(tap, call)
+
+    @staticmethod
+    def _unfreeze(tap: Tap) -> None:
+        """Switch ``requires_grad`` back on for the parameters a pre-hook switched off."""
+        for param in tap.frozen:
+            param.requires_grad_(True)
+        tap.frozen.clear()
+
+
+class _Reroot(torch.autograd.Function):
+    """Identity that gives a graph-less tensor a fresh autograd root (backward: nothing).
+
+    The output is a non-leaf, not a view, so user code may still modify it in place (e.g. a
+    following ``ReLU(inplace=True)``); backward stops here after the hooks saw the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, x: Tensor) -> Tensor:
+        """Return ``x``'s data under a new autograd node."""
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+        """Nothing upstream needs a gradient."""
+        return None, None
+
+
+_ANCHOR = torch.empty(0, requires_grad=True)  # the input that makes _Reroot outputs need grad
+
+
+def _reroot(output: Any) -> Any:
+    """Floating output tensors re-rooted by ``_Reroot`` (same values and storage)."""
+    if isinstance(output, Tensor):
+        return _Reroot.apply(_ANCHOR, output) if output.is_floating_point() else output
+    if isinstance(output, (tuple, list)):
+        items = [_reroot(item) for item in output]
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    return output
+
+
+def release(tap: Tap) -> None:
+    """Release and forget every call a tap captured."""
+    for call in tap.calls:
+        call.release()
+    tap.calls.clear()

@@ -1,0 +1,125 @@
+"""The fast engine: one forward, one backward, per-layer rules, no per-example gradients.
+
+Hooks keep each watched layer's inputs and output gradients. Each layer's rule (see
+:mod:`dpfy.train.grads.registry`) gives the per-unit squared norms of its own parameters' gradients;
+their sum over layers gives each unit's total norm and clip factor, and the same rules then form
+the clipped sum directly ("book-keeping", Bu et al. 2023). While a watched layer runs forward,
+its parameters' ``requires_grad`` is switched off so autograd does not compute the ordinary
+(unclipped) parameter gradient that would be thrown away; the graph to the layer's input is kept.
+Layers whose per-example gradients are small (convolutions on the direct route, normalisation
+layers) are reduced to them during backward, so their activations and output gradients are
+released early.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from dpfy.train.grads.capture import Call, Tap, release
+from dpfy.train.grads.engine import GradEngine, NoiseStart
+from dpfy.train.grads.layout import Units, prepare_call
+from dpfy.train.grads.registry import LayerRule, find_rule
+from dpfy.train.grads.rows import Rows
+
+__all__ = ["FastEngine"]
+
+_Pending = tuple[Tap, type[LayerRule], Call, dict[str, Rows] | None]
+
+
+class FastEngine(GradEngine):
+    """Per-example clipping from per-layer norm rules and book-keeping sums."""
+
+    kind = "fast"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Same arguments as :class:`GradEngine`; every tap must have a rule."""
+        super().__init__(*args, **kwargs)
+        self._pending: list[_Pending] = []
+        self._layer_names = {tap.name: self._names_of(tap) for tap in self._taps.taps}
+
+    def _rule(self, tap: Tap) -> type[LayerRule]:
+        """The tap's rule (``make_engine`` checked that there is one)."""
+        rule = find_rule(tap.module)
+        assert rule is not None, f"no rule for {tap.name}"
+        return rule
+
+    def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
+        """Refuse a layer used more than once in one forward pass (its norms would couple)."""
+        if len(calls) > 1:
+            raise ValueError(
+                f"layer '{tap.name}' was called {len(calls)} times in one forward pass; the "
+                "fast engine does not support repeated use. Use make_engine(..., engine='vmap')"
+            )
+
+    def _on_ready(self, tap: Tap, call: Call) -> None:
+        """During backward: reduce the call to per-example gradients where its rule says so."""
+        rule = self._rule(tap)
+        if rule.per_example_grads is LayerRule.per_example_grads:
+            return  # the rule keeps the captures (no reduction to prepare the call for)
+        if call.stale_input() or len(tap.calls) > 1:
+            return  # clip_and_accumulate reports these
+        prepared = prepare_call(call, self.batch_dim(tap, call))
+        if prepared.batch_size == 0:
+            return  # an empty batch: nothing to reduce, and the step adds nothing but noise
+        grads = rule.per_example_grads(tap.module, prepared)
+        if grads is None:
+            return
+        size = prepared.batch_size
+        call.release()
+        call.compact, call.size = {name: Rows.of(rows) for name, rows in grads.items()}, size
+
+    def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], units: Units) -> Tensor:
+        """Sum each layer's per-unit squared norms (from its rule, or its compact gradients)."""
+        self._pending = []
+        total: Tensor | None = None
+        for tap, call in calls:
+            rule = self._rule(tap)
+            if call.compact is not None:
+                grouped = {name: rows.per_unit(units) for name, rows in call.compact.items()}
+                self._pending.append((tap, rule, call, grouped))
+                sq = sum(rows.sq_norms() for rows in grouped.values())
+            else:
+                prepared = prepare_call(call, self.batch_dim(tap, call), units)
+                self._pending.append((tap, rule, prepared, None))
+                sq = rule.sq_norms(tap.module, prepared)
+            total = sq if total is None else total + sq
+        assert total is not None
+        return total
+
+    def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:
+        """Add each layer's clipped sum into the running sums (in place where its rule can).
+
+        With ``noise``, a named parameter's sum is opened from its noise just before its layer
+        is summed, so the product adds into it and no second parameter-sized tensor is held.
+        """
+        try:
+            while self._pending:  # release each layer's captures as soon as it is summed
+                tap, rule, call, grouped = self._pending.pop()
+                names = self._model_names(tap)
+                into = {
+                    local: slot
+                    for local, name in names.items()
+                    if (slot := self._slot(name, noise)) is not None
+                }
+                if grouped is not None:
+                    sums = {name: rows.weighted_sum(weights) for name, rows in grouped.items()}
+                else:
+                    sums = rule.add_clipped_sum(tap.module, call, weights, into)
+                call.release()
+                release(tap)
+                del call, grouped
+                for local, value in sums.items():
+                    self._add_into(names[local], into.get(local), value)
+        finally:
+            self._pending = []
+
+    def _model_names(self, tap: Tap) -> dict[str, str]:
+        """The layer's trainable parameters, largest first: local name → name in the model."""
+        return self._layer_names[tap.name]
+
+    def _names_of(self, tap: Tap) -> dict[str, str]:
+        """:meth:`_model_names` of one layer, worked out once when the engine is made."""
+        local = {self._names[id(getattr(tap.module, n))]: n for n in tap.trainable}
+        return {local[name]: name for name in self._largest_first(local)}

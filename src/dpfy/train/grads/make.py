@@ -1,0 +1,168 @@
+"""Choose and build a per-example gradient engine for a model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from dpfy.train.cpu_allocator import keep_freed_memory
+from dpfy.train.grads import rules as _rules  # noqa: F401 - registers the layer rules
+from dpfy.train.grads.capture import Tap
+from dpfy.train.grads.engine import WATCHED, GradEngine
+from dpfy.train.grads.fast import FastEngine
+from dpfy.train.grads.registry import find_rule
+from dpfy.train.grads.substitutions import restore, substitute, substitution_blocker
+from dpfy.train.grads.vmap import VmapEngine
+
+__all__ = ["EngineChoice", "fast_blocker", "make_engine"]
+
+EngineChoice = Literal["auto", "fast", "vmap"]
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's own (not its children's) parameters that require grad."""
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+
+def _attention_blocker(model: nn.Module) -> str | None:
+    """Why an attention module in ``model`` cannot be substituted (needed by both engines)."""
+    if type(model) is nn.MultiheadAttention:
+        return "the model itself is an nn.MultiheadAttention; wrap it in a container module"
+    for name, module in model.named_modules():
+        trainable = any(p.requires_grad for p in module.parameters())
+        if type(module) is nn.MultiheadAttention and trainable:
+            reason = substitution_blocker(module)
+            if reason is not None:
+                return f"layer '{name}': {reason}"
+    return None
+
+
+def fast_blocker(model: nn.Module) -> str | None:
+    """The first reason the fast engine cannot run ``model`` (None: it can)."""
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        own = _trainable(module)
+        if type(module) is nn.MultiheadAttention:
+            reason = substitution_blocker(module)
+            if reason is not None:
+                return f"layer '{name}': {reason}"
+        elif own:
+            rule = find_rule(module)
+            if rule is None:
+                return f"layer '{name}' ({type(module).__name__}) has no fast rule"
+            reason = rule.unsupported_reason(module)
+            if reason is not None:
+                return f"layer '{name}' ({type(module).__name__}): {reason}"
+        for local, param in own:
+            where = f"{name}.{local}" if name else local
+            first = owner.setdefault(id(param), where)
+            if first != where:
+                return f"parameter '{first}' is also used as '{where}' (shared or repeated layer)"
+    return None
+
+
+def _outermost_owners(model: nn.Module) -> dict[int, set[int]]:
+    """For each trainable parameter, the modules owning it that no other owner contains.
+
+    A parameter owned by a layer and by one of its sublayers too (Hugging Face's
+    ``BertLMPredictionHead.bias`` is ``decoder.bias``) is watched at the outer layer only: its
+    calls cover every use of the parameter inside, and watching both would count it twice.
+    Owners that are not nested (tied weights in two layers) each keep it.
+    """
+    paths: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for _, param in _trainable(module):
+            paths.setdefault(id(param), []).append((name, module))
+    return {
+        key: {
+            id(module)
+            for path, module in owners
+            if not any(_contains(other, path) for other, _ in owners if other != path)
+        }
+        for key, owners in paths.items()
+    }
+
+
+def _contains(outer: str, inner: str) -> bool:
+    """Whether the module at path ``inner`` lies inside the module at path ``outer``."""
+    return outer == "" or inner.startswith(outer + ".")
+
+
+def _refuse_parametrizations(model: nn.Module) -> None:
+    """A parametrized weight is recomputed by a call with no batch in it: no engine can run it."""
+    for name, module in model.named_modules():
+        if parametrize.is_parametrized(module):
+            raise ValueError(
+                f"layer '{name}' has a parametrized weight (torch.nn.utils.parametrize, e.g. "
+                "parametrizations.weight_norm or spectral_norm), whose per-example gradients no "
+                "engine here can compute; use torch.nn.utils.spectral_norm (the hook version) or "
+                "train the layer without the parametrization"
+            )
+
+
+def make_engine(
+    model: nn.Module, engine: EngineChoice = "auto", *, batch_first: bool = True
+) -> GradEngine:
+    """Attach a per-example clipping engine to ``model`` (see :mod:`dpfy.train.grads`).
+
+    ``engine="auto"`` picks ``"fast"`` when every trainable layer has a rule, else ``"vmap"``
+    (``fallback_reason`` says which layer forced it). ``batch_first`` says whether every watched
+    layer sees the batch in dim 0 (True) or dim 1 (sequence-first models). For a model on the
+    CPU it also has ``malloc`` keep freed memory for the next step
+    (:func:`dpfy.train.cpu_allocator.keep_freed_memory`; ``DPFY_KEEP_FREED_MEMORY=0`` turns it off).
+    """
+    if engine not in ("auto", "fast", "vmap"):
+        raise ValueError(f"engine must be 'auto', 'fast' or 'vmap', got {engine!r}")
+    if any(module in WATCHED for module in model.modules()):
+        raise ValueError("this model already has an engine attached; detach() it first")
+    blocker = fast_blocker(model)
+    if engine == "fast" and blocker is not None:
+        raise ValueError(
+            f"the fast engine cannot run this model: {blocker}. "
+            "Use make_engine(model, engine='vmap') or engine='auto'."
+        )
+    _refuse_parametrizations(model)
+    attention = _attention_blocker(model)
+    if attention is not None:
+        raise ValueError(f"no engine can run this model: {attention}")
+    for name, module in model.named_modules():
+        if type(module) is nn.MultiheadAttention and module.batch_first != batch_first:
+            raise ValueError(
+                f"layer '{name}' has batch_first={module.batch_first} but the engine was made "
+                f"with batch_first={batch_first}; they must agree"
+            )
+    kind = "fast" if engine == "fast" or (engine == "auto" and blocker is None) else "vmap"
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        keep_freed_memory()
+    names = {id(p): n for n, p in model.named_parameters()}
+    substitutions = substitute(model)
+    try:
+        taps = []
+        outer = _outermost_owners(model)
+        for name, module in model.named_modules():
+            own = [(n, p) for n, p in _trainable(module) if id(module) in outer[id(p)]]
+            if not own:
+                continue
+            rule = find_rule(module) if kind == "fast" else None
+            taps.append(
+                Tap(
+                    name=name,
+                    module=module,
+                    trainable=frozenset(n for n, _ in own),
+                    skip_param_grad=rule is not None and rule.skip_param_grad,
+                )
+            )
+        cls = FastEngine if kind == "fast" else VmapEngine
+        return cls(
+            model,
+            taps,
+            batch_first=batch_first,
+            substitutions=substitutions,
+            param_names=names,
+            fallback_reason=blocker if engine == "auto" and kind == "vmap" else None,
+        )
+    except Exception:
+        restore(substitutions)
+        raise

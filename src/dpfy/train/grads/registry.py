@@ -1,0 +1,114 @@
+"""Registry of per-layer rules for the fast engine, keyed on the layer class.
+
+A rule is a small class of pure static functions with one shared signature:
+
+* ``sq_norms(layer, call) -> Tensor[U]``: the squared norm of each clipping unit's gradient with
+  respect to the layer's *own* trainable parameters (a unit is one example, or one microbatch);
+* ``clipped_sum(layer, call, weights) -> dict[str, Tensor]``: ``Σ_u weights[u] · grad_u`` for each
+  of the layer's own trainable parameters, computed without materialising ``grad_u``;
+  ``add_clipped_sum`` may instead add it into the engine's running sum in place.
+
+Rules are registered with :func:`register_rule` and looked up with :func:`find_rule`; the engines
+never dispatch on layer types with if/elif.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from dpfy.train.grads.capture import Call
+    from dpfy.train.grads.rows import Rows
+
+__all__ = ["LayerRule", "find_rule", "register_rule", "registered_layers"]
+
+
+class LayerRule:
+    """Base class of a rule: per-unit squared norms and the weighted gradient sum of one layer."""
+
+    #: Whether the fast engine may stop autograd computing this layer's ordinary parameter
+    #: gradient (the rule recomputes it, clipped). Only for layers whose forward is pure: the
+    #: output may be re-rooted as a fresh leaf when no input requires grad.
+    skip_param_grad: ClassVar[bool] = True
+
+    #: Channels-first layers (convolutions, GroupNorm) see the batch in dim 0 even in a
+    #: sequence-first model; see :func:`dpfy.train.grads.engine.GradEngine` on ``batch_first``.
+    channels_first: ClassVar[bool] = False
+
+    @staticmethod
+    def unsupported_reason(layer: nn.Module) -> str | None:
+        """Say why this particular layer's configuration is outside the rule (None: supported)."""
+        return None
+
+    @staticmethod
+    def per_example_grads(layer: nn.Module, call: Call) -> dict[str, Tensor | Rows] | None:
+        """Per-example gradients (B, F) by name, where they are smaller than what is captured.
+
+        Optional. The fast engine calls it during backward, as soon as the output gradient
+        arrives, and then releases the call's inputs and output gradient, which lowers peak
+        memory (e.g. convolutions: B·C_out·C_in·k² numbers instead of activations that scale
+        with the image size). None: keep the call for ``sq_norms`` and ``clipped_sum``. A
+        gradient formed in batch slices may come as :class:`dpfy.train.grads.rows.Rows`, not joined.
+        """
+        return None
+
+    @staticmethod
+    def sq_norms(layer: nn.Module, call: Call) -> Tensor:
+        """Per-unit squared gradient norms over the layer's own trainable parameters."""
+        raise NotImplementedError
+
+    @staticmethod
+    def clipped_sum(layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
+        """Weighted sum of per-unit gradients, by parameter name, never materialising them."""
+        raise NotImplementedError
+
+    @classmethod
+    def add_clipped_sum(
+        cls, layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Add the weighted sum into ``into[name]`` in place where that saves a temporary.
+
+        ``into`` holds the engine's running sum (shaped like the parameter) for the parameters
+        that have one. Rules of large layers add their product straight into it (e.g.
+        ``addmm_``), so a step never holds a second parameter-sized tensor;
+        whatever a rule does not add in place it returns, like :meth:`clipped_sum`, and the
+        engine adds it. Default: nothing in place.
+        """
+        return cls.clipped_sum(layer, call, weights)
+
+
+_RULES: dict[type[nn.Module], type[LayerRule]] = {}
+
+R = TypeVar("R", bound=type[LayerRule])
+
+
+def register_rule(*layer_types: type[nn.Module]) -> Callable[[R], R]:
+    """Class decorator: make ``rule`` the fast-engine rule for each of ``layer_types``."""
+
+    def decorate(rule: R) -> R:
+        for layer_type in layer_types:
+            _RULES[layer_type] = rule
+        return rule
+
+    return decorate
+
+
+def find_rule(layer: nn.Module) -> type[LayerRule] | None:
+    """The rule for ``layer``: its exact class, or a subclass that keeps the parent's forward.
+
+    A subclass overriding ``forward`` may compute anything, so it gets no rule (and falls back
+    to the vmap engine) rather than a silently wrong one.
+    """
+    for cls in type(layer).__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None:
+            return rule if type(layer).forward is cls.forward else None
+    return None
+
+
+def registered_layers() -> tuple[type[nn.Module], ...]:
+    """All layer classes that have a rule (for documentation and error messages)."""
+    return tuple(_RULES)

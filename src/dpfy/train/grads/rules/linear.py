@@ -1,0 +1,102 @@
+"""Rule for ``nn.Linear`` on inputs (B, d) or sequences (B, *, d)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor, nn
+
+from dpfy.train.grads.capture import Call
+from dpfy.train.grads.layout import flatten_positions, group_positions
+from dpfy.train.grads.norms import sq_norm
+from dpfy.train.grads.registry import LayerRule, register_rule
+from dpfy.train.grads.rules._bilinear import (
+    bias_sq_norms,
+    product_into,
+    weight_sq_norms,
+    weighted_bias_sum,
+    weighted_weight_sum,
+)
+
+
+def _units(x: Tensor, group: int) -> Tensor:
+    """(B, *, d) → (U, T, d): positions flattened, microbatches merged into one unit."""
+    return group_positions(flatten_positions(x), group)
+
+
+@register_rule(nn.Linear)
+class LinearRule(LayerRule):
+    """Weight gradient Σ_t g_t a_tᵀ, bias gradient Σ_t g_t, per unit."""
+
+    @staticmethod
+    def sq_norms(layer: nn.Module, call: Call) -> Tensor:
+        """Direct, rank-one or ghost norm of the weight gradient plus the bias norm."""
+        single = _one_position(call)
+        if single is not None:
+            # One position: ‖g aᵀ‖² + ‖g‖² = (‖a‖² + 1)·‖g‖², one norm of g for both.
+            return (sq_norm(single[0], 1) + 1) * sq_norm(single[1], 1)
+        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
+        total = a.new_zeros(a.shape[0])
+        if "weight" in call.trainable:
+            sq, unit_grads = weight_sq_norms(a, g)
+            total = total + sq
+            if unit_grads is not None:
+                call.cache["weight"] = unit_grads
+        if "bias" in call.trainable:
+            total = total + bias_sq_norms(g, call.cache)
+        return total
+
+    @staticmethod
+    def clipped_sum(layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
+        """Book-keeping: Aᵀ diag(w) Γ for the weight, wᵀ Σ_t Γ for the bias."""
+        return LinearRule.add_clipped_sum(layer, call, weights, {})
+
+    @staticmethod
+    def add_clipped_sum(  # type: ignore[override]
+        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """The weight's product is added straight into the running sum when there is one."""
+        single = _one_position(call)
+        if single is not None:
+            return _rank_one_sums(*single, weights, into.get("weight"))
+        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
+        out = {}
+        if "weight" in call.trainable:
+            slot = into.get("weight")
+            total = weighted_weight_sum(a, g, weights, call.cache.get("weight"), slot)
+            if slot is None:
+                out["weight"] = total
+        if "bias" in call.trainable:
+            out["bias"] = weighted_bias_sum(g, weights, call.cache)
+        return out
+
+
+_WEIGHT_AND_BIAS = frozenset({"weight", "bias"})
+
+
+def _one_position(call: Call) -> tuple[Tensor, Tensor] | None:
+    """(a, g) as (U, d) and (U, p) when each unit has one position and both parameters train.
+
+    The MLP case (2-D inputs, one example per unit), which takes the rank-one route.
+    """
+    if call.trainable != _WEIGHT_AND_BIAS:
+        return None
+    x, g = call.inputs[0], call.grads[0]
+    if x.dim() == 2 and call.group == 1:
+        return x, g  # already (U, d), (U, p): no reshapes
+    a, g = _units(x, call.group), _units(g, call.group)
+    return (a.select(1, 0), g.select(1, 0)) if a.shape[1] == 1 else None
+
+
+def _rank_one_sums(a: Tensor, g: Tensor, weights: Tensor, slot: Tensor | None) -> dict[str, Tensor]:
+    """One position, weight and bias: Σ_u w_u g_u a_uᵀ and Σ_u w_u g_u from one scaled g.
+
+    The bias sum is the column sum of the scaled g, read while it is still in cache rather than
+    a second pass over the output gradients.
+    """
+    scaled = g * weights.to(g.dtype).unsqueeze(1)
+    total = product_into(scaled.t(), a, slot)
+    out = {"bias": scaled.sum(0)}
+    if slot is None:
+        out["weight"] = total
+    return out

@@ -1,0 +1,317 @@
+"""DPOptimizer: clip → sum → noise → ÷ expected batch size → any torch optimizer (guide alg. 1).
+
+The wrapped optimizer only post-processes privatised gradients (guide §4.2, §5.5.2), so SGD,
+Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enforces:
+
+- noise ``N(0, σ²C²)`` per coordinate on the *sum* of clipped per-example gradients, then division
+  by the **expected** batch size (DESIGN rule 1) — the realised size is never used;
+- every trainable parameter gets noise every step, zero-gradient and sparse ones included; frozen
+  parameters are never touched (rule 2);
+- an empty batch is still a step: noise only, accounted (rule 3);
+- microbatch clipping of averages (guide alg. 3) has sensitivity 2C, so the noise std is 2σC and
+  the sum is divided by the expected number of microbatches (rule 6);
+- the ledger's budget guard runs before anything changes (rule 9);
+- a step's batch is the one the private loader drew last, whole, used once
+  (:mod:`dpfy.data.provenance`), and every parameter the wrapped optimizer would update is one
+  the engine clipped and noised: anything else is refused before anything changes.
+
+The noise is drawn in one place, on the training thread (on the parameters' device): on the last
+physical batch of a step the engine opens each parameter's sum from its noise, just before that
+layer is summed, and adds the clipped sum into it in place, so a step holds one
+parameter-sized buffer per parameter and no noise through the forward and backward passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dpfy._validate import check_count, check_positive
+from dpfy.data.provenance import BatchRefused, DrawnBatch, Provenance
+from dpfy.plan.sampling import SamplingRecord
+from dpfy.train.distributed import GradientAggregator, LocalAggregator
+from dpfy.train.grads import ClipResult, GradEngine, LossReduction, NoiseStart
+from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.noise.source import NoiseSource, TorchNoise, fill_with_noise
+
+
+class NonFiniteGradientError(ValueError):
+    """A per-example gradient was NaN or infinite; the step was not applied."""
+
+
+class BatchBoundary:
+    """Which physical chunk of the logical batch is being processed (virtual batching).
+
+    The virtual-batch loader sets it before yielding each chunk: ``chunk`` is its [start, stop)
+    in the logical batch (None: the whole batch) and ``closes_batch`` whether it is the last.
+    The optimizer reads it in ``step()`` and only noises and updates at the end.
+    """
+
+    def __init__(self) -> None:
+        self.closes_batch = True
+        self.chunk: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class NoiseSettings:
+    """What a private step adds: σ, the clip norm C, and the clipping unit (example/microbatch)."""
+
+    noise_multiplier: float
+    max_grad_norm: float
+    expected_batch_size: float
+    microbatch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive("noise_multiplier", self.noise_multiplier)
+        check_positive("max_grad_norm", self.max_grad_norm)
+        check_positive("expected_batch_size", self.expected_batch_size)
+        if self.microbatch_size is not None:
+            check_count("microbatch_size", self.microbatch_size, minimum=1)
+
+    @property
+    def sensitivity(self) -> float:
+        """How far one example can move the clipped sum: C, or 2C for microbatch averages."""
+        return self.max_grad_norm * (1.0 if self.microbatch_size is None else 2.0)
+
+    @property
+    def noise_std(self) -> float:
+        """Per-coordinate std of the noise on the clipped sum: σ · sensitivity."""
+        return self.noise_multiplier * self.sensitivity
+
+    @property
+    def divisor(self) -> float:
+        """The expected number of clipping units: B, or B/k microbatches (never the realised)."""
+        if self.microbatch_size is None:
+            return self.expected_batch_size
+        return self.expected_batch_size / self.microbatch_size
+
+
+@dataclass(frozen=True)
+class _NoiseInto:
+    """The engine's :class:`NoiseStart`: every parameter's sum opens from its noise, drawn now."""
+
+    names: frozenset[str]
+    source: NoiseSource
+    std: float
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        """Draw the noise of one parameter into the sum about to be opened."""
+        fill_with_noise(self.source, out, self.std)
+
+    def add(self, name: str, total: torch.Tensor) -> None:
+        """Add the noise of one parameter into a sum formed on earlier physical batches."""
+        total.add_(self.source.normal(total, self.std))
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer; ``step()`` privatises the gradient before the wrapped update.
+
+    It subclasses ``torch.optim.Optimizer`` (sharing the wrapped optimizer's ``param_groups``
+    and ``state``) so learning-rate schedulers and other tools accept it.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        engine: GradEngine,
+        ledger: PrivacyLedger,
+        sampling: SamplingRecord,
+        settings: NoiseSettings,
+        *,
+        provenance: Provenance,
+        loss_reduction: LossReduction = "mean",
+        noise: NoiseSource | None = None,
+        boundary: BatchBoundary | None = None,
+        aggregator: GradientAggregator | None = None,
+    ) -> None:
+        if not isinstance(provenance, Provenance):
+            raise ValueError(
+                "provenance must be the private loader's record of its batches "
+                "(DPDataLoader.provenance): a step must know its batch came from the sampler"
+            )
+        if isinstance(optimizer, DPOptimizer):
+            raise ValueError("the optimizer is already private; pass the plain torch optimizer")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.original_optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.engine = engine
+        self.ledger = ledger
+        self.sampling = sampling
+        self.settings = settings
+        self.loss_reduction = loss_reduction
+        self.noise = noise if noise is not None else TorchNoise()
+        self.boundary = boundary if boundary is not None else BatchBoundary()
+        self.aggregator = aggregator if aggregator is not None else LocalAggregator()
+        self.clip_observers: list[Callable[[ClipResult], None]] = []
+        self.provenance = provenance
+        engine.follow(provenance.stamp)
+        self._private = {id(p) for p in engine.params.values()}
+        self._noised = frozenset(engine.params)  # every trainable parameter, every step
+
+    @property
+    def clipping_unit(self) -> str:
+        """The unit this optimizer accounts for ('example', 'microbatch'; user level: 'user')."""
+        return "example" if self.settings.microbatch_size is None else "microbatch"
+
+    @property
+    def _noise_share(self) -> float:
+        """Std of the noise this process adds to the average: σ·sensitivity/B, over the ranks.
+
+        The sum is formed already divided by the expected units (see :meth:`_clip`), so the
+        noise is drawn at that scale too: no pass over the parameters divides it afterwards.
+        """
+        return self.aggregator.share_std(self.settings.noise_std) / self.settings.divisor
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Clip this batch; at the end of a logical batch, noise, account, and update.
+
+        Returns the closure's loss (if a closure was given) like any torch optimizer.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batch = self._take_batch()
+        during = None
+        if self.boundary.closes_batch:  # every parameter's noise, drawn once, used once
+            during = _NoiseInto(self._noised, self.noise, self._noise_share)
+        result = self._guarded(self._clip, batch, during, scale=1.0 / self.settings.divisor)
+        for observe in self.clip_observers:  # diagnostics only: never fed back into training
+            observe(result)
+        if not bool(torch.isfinite(result.norms).all()):
+            self._abandon()
+            raise NonFiniteGradientError(
+                "a per-example gradient is NaN or infinite (a non-finite loss?); the step was not "
+                "applied and the model and ledger are unchanged — check the inputs and the loss, "
+                "or lower the learning rate, then reload the last checkpoint. Do not catch this "
+                "and train on: skipping a batch because of one example is not accounted"
+            )
+        if not self.boundary.closes_batch:
+            return loss
+        record = StepRecord(
+            self.sampling, self.settings.noise_multiplier, batch_size=self.engine.num_examples
+        )
+        self._guarded(self.provenance.check_size, batch, self.engine.num_examples)
+        self._guarded(self.ledger.check_step, record)  # BudgetExhausted before anything changes
+        self._write_private_grads()
+        self.original_optimizer.step()
+        self.ledger.record(record)
+        self.provenance.consume(batch)
+        self.engine.reset()
+        return loss
+
+    def _take_batch(self) -> DrawnBatch:
+        """The drawn batch this step uses, after refusing every other path into the update.
+
+        Refused, with nothing changed: layer calls from anything but the batch the private
+        loader drew last (or from a batch already stepped on, or after one was skipped), a
+        batch whose clipping units are not this optimizer's, and a parameter the wrapped
+        optimizer would update that the engine does not clip and noise (unfrozen, or added with
+        ``add_param_group``, after make_private).
+        """
+        return self._guarded(self._checked_batch)
+
+    def _checked_batch(self) -> DrawnBatch:
+        """:meth:`_take_batch` without the clean-up on refusal."""
+        self._check_updated_params()
+        batch = self.provenance.check(self.engine.batch_stamps())
+        if batch.unit != self.clipping_unit:
+            raise BatchRefused(
+                f"the loader's batches are clipped per {batch.unit} but this optimizer accounts "
+                f"clipping per {self.clipping_unit}; build the loader and optimizer together "
+                "with make_private"
+            )
+        return batch
+
+    def _check_updated_params(self) -> None:
+        """Every parameter the wrapped optimizer would update must be one the engine privatises."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) in self._private:
+                    continue
+                if param.requires_grad:
+                    raise BatchRefused(
+                        f"a parameter of shape {tuple(param.shape)} in the optimizer is "
+                        "trainable but was frozen (or absent) when the run was made private, so "
+                        "its gradient would be applied unclipped and un-noised. Make every layer "
+                        "you will train trainable before make_private; to unfreeze gradually, "
+                        "keep the layers not yet unfrozen at lr=0 in a parameter group of their "
+                        "own and raise it later"
+                    )
+                if param.grad is not None:
+                    raise BatchRefused(
+                        f"a frozen parameter of shape {tuple(param.shape)} holds a .grad (from "
+                        "before make_private?) that the optimizer would apply un-noised; call "
+                        "optimizer.zero_grad() before the first step"
+                    )
+
+    def _guarded(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one stage of the step; on any failure drop the batch in progress and re-raise."""
+        try:
+            return check(*args, **kwargs)
+        except Exception:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Forget the logical batch in progress (its sum and captures); the model is untouched."""
+        self.engine.reset()
+        self.engine.discard_captures()
+        self.aggregator.skip()
+
+    def _units(self, batch: DrawnBatch) -> torch.Tensor | None:
+        """The clipping unit of each example of the physical chunk being processed."""
+        if batch.units is None:
+            return None
+        start, stop = self.boundary.chunk or (0, batch.size)
+        return batch.units[start:stop]
+
+    def _clip(
+        self, batch: DrawnBatch, noise: NoiseStart | None = None, scale: float = 1.0
+    ) -> ClipResult:
+        """Clip this physical batch's units into the engine's sum (examples, microbatches, users).
+
+        ``noise``: on the last physical batch, the parameters whose noise is filled in now.
+        ``scale`` multiplies each clipped unit before it is summed (``step`` passes 1/B).
+        """
+        return self.engine.clip_and_accumulate(
+            self.settings.max_grad_norm,
+            self.loss_reduction,
+            groups=self._units(batch),
+            noise=noise,
+            scale=scale,
+        )
+
+    def _write_private_grads(self) -> None:
+        """p.grad = (clipped sum + N(0, (σ·sensitivity)²)) / expected units, for every param.
+
+        The engine's sum began from this batch's noise and both were formed at 1/B scale;
+        across ranks the aggregator sums the ranks' noised shares (dpfy.train.distributed).
+        """
+        noisy = self.aggregator.combine(self.engine.summed_grads())
+        for name, total in noisy.items():
+            self.engine.params[name].grad = total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state (the ledger and noise are saved by the session)."""
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the wrapped optimizer's state."""
+        self.original_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.original_optimizer.param_groups
+        self.state = self.original_optimizer.state
+
+    def __repr__(self) -> str:
+        """Which optimizer is wrapped and the privacy settings."""
+        s = self.settings
+        return (
+            f"DPOptimizer({type(self.original_optimizer).__name__}, σ={s.noise_multiplier:.4g}, "
+            f"C={s.max_grad_norm:.4g}, B={s.expected_batch_size:g}, engine={self.engine.kind})"
+        )
