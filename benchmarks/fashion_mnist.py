@@ -300,11 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         max_physical_batch_size=args.max_physical_batch_size,
         seed=args.seed,
     )
-    n, steps = len(data.train), private.settings.steps
+    n, steps = len(data.train), private.plan.steps
     params = sum(p.numel() for p in model.parameters())
     print(
         f"fashion-mnist N={n} · cnn {params} params · B={args.batch_size} "
-        f"q={private.settings.sampling_rate:.5f} · {steps} steps · σ={private.noise_multiplier:.4f}"
+        f"q={private.plan.sampling_rate:.5f} · {steps} steps · σ={private.noise_multiplier:.4f}"
         f" · C={args.max_grad_norm} · lr={args.lr} · {args.optimizer} · engine "
         f"{private.engine.kind} · threads {torch.get_num_threads()}",
         flush=True,
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": data.to_dict(),
         "model_parameters": params,
         "noise_multiplier": private.noise_multiplier,
-        "sampling_rate": private.settings.sampling_rate,
+        "sampling_rate": private.plan.sampling_rate,
         "steps": steps,
         "engine": private.engine.kind,
         "torch_version": torch.__version__,

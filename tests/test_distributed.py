@@ -490,4 +490,4 @@ def test_one_process_routes_refuse_a_running_process_group(monkeypatch, route):
     private = dpfy.make_private(  # distributed=False: the user asks for a run per rank
         model, optimizer, dataset(), noise_multiplier=1.0, distributed=False, **kwargs, **route
     )
-    assert private.settings.steps == 2
+    assert private.plan.steps == 2

@@ -536,7 +536,7 @@ def test_make_private_dispatches_to_dp_ftrl_and_returns_private_training():
     )  # fmt: skip
     assert isinstance(private, dpfy.PrivateTraining)
     assert isinstance(private.optimizer, DPFTRLOptimizer)
-    assert private.settings.sampler == "tree-shuffle"
+    assert private.plan.sampler == "tree-shuffle"
     assert private.ledger.relation is ZERO_OUT
 
 
@@ -600,7 +600,7 @@ def test_bad_input_is_refused_with_the_fix():
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_data(), batch_size=8,
         delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, epochs=1,
     )  # fmt: skip
-    assert sgd_run.settings.sampler == "poisson"
+    assert sgd_run.plan.sampler == "poisson"
 
 
 def test_optimizer_refuses_a_poisson_record():

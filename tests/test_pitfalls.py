@@ -9,7 +9,7 @@ import pytest
 from torch import nn
 
 from dpfy.plan.accounting import dpsgd_event
-from dpfy.plan.privacy_plan import PrivacySettings
+from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.report.facts import (
     DatasetFacts,
@@ -45,7 +45,7 @@ def clean() -> RunFacts:
     return RunFacts(
         dataset=DatasetFacts("synthetic", N),
         model=model_facts(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), "mlp"),
-        privacy=PrivacySettings(
+        privacy=PrivacyPlan(
             N, B, B / N, STEPS, SIGMA, C, DELTA, None, "pld", "poisson", None, "mean"
         ),
         training=TrainingFacts("SGD", 0.1, STEPS, STEPS * B / N),

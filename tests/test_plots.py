@@ -15,7 +15,7 @@ from dpfy.plan.accounting import (
     PoissonSampledEvent,
     make_accountant,
 )
-from dpfy.plan.privacy_plan import PrivacySettings
+from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.report.facts import (
     DatasetFacts,
@@ -111,7 +111,7 @@ def test_epsilon_curve_from_saved_facts_marks_unmet_assumption_and_tuning(tmp_pa
     facts = RunFacts(
         dataset=DatasetFacts("d", N),
         model=model_facts(nn.Linear(2, 2), "m"),
-        privacy=PrivacySettings(
+        privacy=PrivacyPlan(
             N, B, B / N, 30, 1.0, 1.0, DELTA, None, "pld", "shuffle", None, "mean"
         ),
         training=TrainingFacts("SGD", 0.1, 30, 0.3),

@@ -291,8 +291,8 @@ def test_ledger_accounts_poisson_sampled_users_at_b_users_over_n_users():
     assert sampling["unit"] == "user" and sampling["dataset_size"] == 40
     expected = PldAccountant().compose(dpsgd_event(q, sigma, steps)).epsilon(1e-5)
     assert private.epsilon() == pytest.approx(expected, rel=1e-6)
-    assert private.settings.unit == "user" and private.settings.dataset_size == 40
-    assert private.settings.examples == len(data)
+    assert private.plan.unit == "user" and private.plan.dataset_size == 40
+    assert private.plan.examples == len(data)
 
 
 def test_calibrated_user_level_run_meets_the_target_and_resumes(tmp_path):

@@ -155,7 +155,7 @@ def federated_facts(
     norms: list[float],
 ) -> Any:
     """The run's facts for the report card: user-level unit, N and B counting users."""
-    from dpfy.plan.privacy_plan import PrivacySettings
+    from dpfy.plan.privacy_plan import PrivacyPlan
     from dpfy.report.facts import (
         DatasetFacts,
         GradNormStats,
@@ -170,7 +170,7 @@ def federated_facts(
 
     algorithm = trainer.config
     ledger = trainer.ledger
-    privacy = PrivacySettings(
+    privacy = PrivacyPlan(
         dataset_size=split.num_users,
         expected_batch_size=config.clients_per_round,
         sampling_rate=trainer.sampling_rate,

@@ -173,7 +173,7 @@ def train_private(
     """The user's ordinary loop, plus progress and periodic evaluation; returns the history."""
     criterion = nn.CrossEntropyLoss()
     history: list[dict[str, float]] = []
-    total = private.settings.steps
+    total = private.plan.steps
     running_loss, running_correct, running_seen = 0.0, 0, 0
     with _progress(console) as progress:
         task = progress.add_task("DP-SGD", total=total, loss=math.nan, acc=math.nan, eps=0.0)
@@ -191,8 +191,8 @@ def train_private(
                 entry = {
                     "step": step,
                     "epoch": step
-                    * private.settings.expected_batch_size
-                    / private.settings.dataset_size,
+                    * private.plan.expected_batch_size
+                    / private.plan.dataset_size,
                     "loss": running_loss / max(running_seen, 1),
                     "train_accuracy": running_correct / max(running_seen, 1),
                     "test_accuracy": accuracy(private.model, data.test),
@@ -288,11 +288,11 @@ def _train_into(
     console.print(
         f"[bold]dpfy train[/] {config.dataset} ({len(data.train)} examples) · {config.model} · "
         f"ε = {config.target_epsilon:g}, δ = {delta:g} · σ = {private.noise_multiplier:.3f}, "
-        f"q = {private.settings.sampling_rate:.4f}, {private.settings.steps} steps · "
+        f"q = {private.plan.sampling_rate:.4f}, {private.plan.steps} steps · "
         f"engine {private.engine.kind}"
         + ("" if split is None else f" · user-level, {split.num_users} users")
     )
-    eval_every = max(1, private.settings.steps // 20)
+    eval_every = max(1, private.plan.steps // 20)
     with record_clip_norms(private) as norms:
         history = train_private(private, data, console, eval_every)
     test_accuracy = accuracy(private.model, data.test)

@@ -1,4 +1,9 @@
-"""The settings a run was made private with: torch-free, so reports can load them anywhere."""
+"""The privacy plan: everything privacy-relevant about a run, fixed before the first step.
+
+Torch-free, so checkpoints, the cross-rank agreement check and reports read one object anywhere.
+A resolver per algorithm and clipping unit (:mod:`dpfy.plan.resolvers`) makes it; training
+components are chosen from it, and the ledger records what the sampler and engine then observed.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,12 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class PrivacySettings:
-    """The settings a run was made private with; a checkpoint must match them to resume."""
+class PrivacyPlan:
+    """What a run was made private with; a checkpoint must match it exactly to resume.
+
+    ``dataset_size`` and ``expected_batch_size`` count the sampled records: examples, or users in
+    a user-level run. ``noise_multiplier`` σ is the noise std divided by the sensitivity.
+    """
 
     dataset_size: int
     expected_batch_size: int
@@ -37,8 +46,41 @@ class PrivacySettings:
     seeded: bool = False
     #: Processes that trained the run together (dpfy.train.distributed); 1 for one process.
     world_size: int = 1
+    #: Which datasets are neighbours: "add-or-remove" (Poisson), "replace-one" (fixed-size
+    #: sampling), "zero-out" (tree aggregation keeps the stream's order).
+    relation: str = "add-or-remove"
+    #: How each step's noise is drawn: "gaussian" (independent per step) or "tree-aggregation"
+    #: (correlated across the steps of a tree, DP-FTRL); ``restart_every`` and ``tree`` are the
+    #: tree's restart period in steps and its estimator ("plain" or "efficient").
+    mechanism: str = "gaussian"
+    restart_every: int | None = None
+    tree: str | None = None
 
     @property
     def sensitivity_factor(self) -> float:
         """Sensitivity in units of C: 2 for clipped microbatch averages (guide alg. 3), else 1."""
         return 1.0 if self.microbatch_size is None else 2.0
+
+    @property
+    def sensitivity(self) -> float:
+        """How far one record can move the clipped sum: C, or 2C for microbatch averages."""
+        return self.max_grad_norm * self.sensitivity_factor
+
+    @property
+    def noise_std(self) -> float:
+        """Per-coordinate std of the noise on the clipped sum: σ · sensitivity."""
+        return self.noise_multiplier * self.sensitivity
+
+    @property
+    def divisor(self) -> float:
+        """The expected number of clipping units, B or B/k microbatches (never the realised)."""
+        if self.microbatch_size is None:
+            return float(self.expected_batch_size)
+        return self.expected_batch_size / self.microbatch_size
+
+    @property
+    def clipping_unit(self) -> str:
+        """What one clipped gradient covers: an example, a microbatch, or all of a user's data."""
+        if self.unit == "user":
+            return "user"
+        return "example" if self.microbatch_size is None else "microbatch"

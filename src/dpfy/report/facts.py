@@ -43,7 +43,7 @@ from dpfy._validate import (
     check_range,
     check_sampling_rate,
 )
-from dpfy.plan.privacy_plan import PrivacySettings
+from dpfy.plan.privacy_plan import PrivacyPlan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -395,7 +395,7 @@ class RunFacts:
 
     dataset: DatasetFacts
     model: ModelFacts
-    privacy: PrivacySettings
+    privacy: PrivacyPlan
     training: TrainingFacts
     accounting: AccountingFacts
     software: dict[str, str]
@@ -431,7 +431,7 @@ class RunFacts:
             {
                 "dataset": lambda d: _build(DatasetFacts, d, dataset, "dataset"),
                 "model": ModelFacts.from_dict,
-                "privacy": lambda d: _build(PrivacySettings, d, where="privacy"),
+                "privacy": lambda d: _build(PrivacyPlan, d, where="privacy"),
                 "training": lambda d: _build(TrainingFacts, d, where="training"),
                 "accounting": AccountingFacts.from_dict,
                 "tuning": lambda d: _build(TuningFacts, d, where="tuning"),
@@ -868,7 +868,7 @@ def collect_facts(
 
     ``unit`` defaults to the run's own unit of privacy (``"user"`` for user-level DP-SGD).
     """
-    settings = training.settings
+    settings = training.plan
     unit = settings.unit if unit is None else unit
     wrapped = getattr(training.optimizer, "original_optimizer", training.optimizer)
     if learning_rate is None and wrapped.param_groups:
@@ -883,7 +883,7 @@ def collect_facts(
             preprocessing_steps(preprocessing),
         ),
         model=model_facts(training.model, model_name, training.engine.params),
-        privacy=_build(PrivacySettings, dataclasses.asdict(settings)),
+        privacy=_build(PrivacyPlan, dataclasses.asdict(settings)),
         training=TrainingFacts(
             optimizer=optimizer_name or type(wrapped).__name__,
             learning_rate=learning_rate,
@@ -961,7 +961,7 @@ __all__ = [
     "ModelFacts",
     "NormLog",
     "PreprocessingStep",
-    "PrivacySettings",
+    "PrivacyPlan",
     "ResultFacts",
     "RunFacts",
     "TrainingFacts",

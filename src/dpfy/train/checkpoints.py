@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 FORMAT = "dpfy.checkpoint"
-VERSION = 2
-PARTS = ("settings", "model", "optimizer", "ledger", "loader", "noise", "run")
+VERSION = 3
+PARTS = ("plan", "model", "optimizer", "ledger", "loader", "noise", "run")
 
 
 def seal(state: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from dpfy.data.loader import DPDataLoader, checked_loader_options, dataset_size_
 from dpfy.data.sampling import check_batch_size
 from dpfy.plan.accounting.calibrate import smallest_noise_multiplier
 from dpfy.plan.accounting.events import DpEvent, NeighbouringRelation, SelfComposedEvent
-from dpfy.plan.privacy_plan import PrivacySettings
+from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.checkpoints import seal, unseal
 from dpfy.train.checks import check_model
@@ -60,7 +60,7 @@ class PrivateTraining:
         loader: DPDataLoader | VirtualBatchLoader,
         ledger: PrivacyLedger,
         engine: GradEngine,
-        settings: PrivacySettings,
+        plan: PrivacyPlan,
         noise: NoiseSource,
         replicas: SingleProcess | ProcessGroupReplicas | None = None,
     ) -> None:
@@ -69,7 +69,7 @@ class PrivateTraining:
         self.loader = loader
         self.ledger = ledger
         self.engine = engine
-        self.settings = settings
+        self.plan = plan
         self.noise = noise
         self.replicas = replicas if replicas is not None else SingleProcess()
         if ledger.run_id is None:  # one identity for all ranks, drawn by the writer
@@ -78,7 +78,7 @@ class PrivateTraining:
     @property
     def noise_multiplier(self) -> float:
         """σ: noise std divided by the clip norm (decoupled, DESIGN rule 5)."""
-        return self.settings.noise_multiplier
+        return self.plan.noise_multiplier
 
     def epsilon(self, delta: float | None = None) -> float:
         """ε spent so far at ``delta`` (the run's δ by default), training and tuning included."""
@@ -100,7 +100,7 @@ class PrivateTraining:
         """
         return seal(
             {
-                "settings": asdict(self.settings),
+                "plan": asdict(self.plan),
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "ledger": self.ledger.state_dict(),
@@ -120,11 +120,11 @@ class PrivateTraining:
         """
         state = unseal(state)
         mine = self.replicas.mine(state["loader"])  # another number of ranks: refused by name
-        saved = state["settings"]
-        if saved != asdict(self.settings):
+        saved = state["plan"]
+        if saved != asdict(self.plan):
             raise ValueError(
                 "the checkpoint was made with different privacy settings "
-                f"({saved}) than this run ({asdict(self.settings)}); resume with the same "
+                f"({saved}) than this run ({asdict(self.plan)}); resume with the same "
                 "make_private arguments. Nothing was loaded."
             )
         ledger = PrivacyLedger.from_state_dict(state["ledger"])  # validates before any change
@@ -197,7 +197,7 @@ class PrivateTraining:
 
     def __repr__(self) -> str:
         """The run's privacy settings at a glance."""
-        s = self.settings
+        s = self.plan
         return (
             f"PrivateTraining(N={s.dataset_size}, B={s.expected_batch_size}, "
             f"q={s.sampling_rate:.4g}, σ={s.noise_multiplier:.4g}, C={s.max_grad_norm:g}, "
@@ -306,7 +306,7 @@ def make_private(
         aggregator=replicas.aggregator(),
     )
     run_loader = with_virtual_batches(loader, max_physical_batch_size, boundary)
-    privacy = PrivacySettings(
+    privacy = PrivacyPlan(
         dataset_size=dataset_size,
         expected_batch_size=batch_size,
         sampling_rate=record.sampling_rate,

@@ -38,7 +38,7 @@ from dpfy.data.user_sampling import (
     check_user_ids,
     user_sampling_rate,
 )
-from dpfy.plan.privacy_plan import PrivacySettings
+from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind
 from dpfy.train.grads import EngineChoice, LossReduction, make_engine
 from dpfy.train.ledger import PrivacyLedger
@@ -165,7 +165,7 @@ def make_user_private(
         noise=noise,
         boundary=BatchBoundary(),
     )
-    privacy = PrivacySettings(
+    privacy = PrivacyPlan(
         dataset_size=num_users,
         expected_batch_size=batch_size,
         sampling_rate=record.sampling_rate,

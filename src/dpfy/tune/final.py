@@ -51,7 +51,7 @@ def train_final(
         seed=config.seed,
     )
     quiet = console if run_dir is not None else Console(file=io.StringIO())
-    eval_every = max(1, private.settings.steps // 5)
+    eval_every = max(1, private.plan.steps // 5)
     with record_clip_norms(private) as norms:
         history = train_private(private, data, quiet, eval_every)
     test_accuracy = accuracy(private.model, data.test)
@@ -62,7 +62,7 @@ def train_final(
         "max_grad_norm": config.max_grad_norm,
         "lr": config.lr,
         "noise_multiplier": private.noise_multiplier,
-        "steps": private.settings.steps,
+        "steps": private.plan.steps,
         "test_accuracy": test_accuracy,
         "accountant": accountant,
         "epsilon": epsilons,

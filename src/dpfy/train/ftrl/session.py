@@ -22,7 +22,7 @@ from dpfy.data.loader import DPDataLoader, checked_loader_options, dataset_size_
 from dpfy.data.ordered_sampling import OrderedSampler, parse_order
 from dpfy.data.sampling import check_batch_size
 from dpfy.plan.accounting.events import NeighbouringRelation
-from dpfy.plan.privacy_plan import PrivacySettings
+from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind
 from dpfy.plan.tree_events import ftrl_step_events, resolve_restart
 from dpfy.train.ftrl.optim import DPFTRLOptimizer, check_sgd
@@ -127,7 +127,7 @@ def make_private_ftrl(
         boundary=boundary,
     )
     run_loader = with_virtual_batches(loader, max_physical_batch_size, boundary)
-    privacy = PrivacySettings(
+    privacy = PrivacyPlan(
         dataset_size=dataset_size,
         expected_batch_size=batch_size,
         sampling_rate=loader.sampling_record.sampling_rate,
