@@ -20,7 +20,8 @@ from dpfy.data.provenance import Provenance
 from dpfy.plan.accounting import make_accountant
 from dpfy.plan.accounting.accountant import UnsupportedEventError
 from dpfy.plan.accounting.events import GaussianEvent, NeighbouringRelation, TreeAggregationEvent
-from dpfy.plan.accounting.rdp import RdpAccountant, rdp_curve
+from dpfy.plan.accounting.rdp import RdpAccountant
+from dpfy.plan.accounting.rdp_composition import rdp_curve
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.ftrl import (
     DPFTRLOptimizer,

@@ -27,15 +27,9 @@ from dpfy.plan.accounting.events import (
     SelfComposedEvent,
     dpsgd_event,
 )
-from dpfy.plan.accounting.rdp import (
-    DEFAULT_ORDERS,
-    GridEdgeWarning,
-    RdpAccountant,
-    RdpEpsilon,
-    delta_from_rdp,
-    epsilon_from_rdp,
-    rdp_curve,
-)
+from dpfy.plan.accounting.rdp import GridEdgeWarning, RdpAccountant
+from dpfy.plan.accounting.rdp_composition import DEFAULT_ORDERS, rdp_curve
+from dpfy.plan.accounting.rdp_conversion import RdpEpsilon, delta_from_rdp, epsilon_from_rdp
 
 dpa = pytest.importorskip("dp_accounting")
 dpa_rdp = pytest.importorskip("dp_accounting.rdp")
