@@ -105,7 +105,7 @@ def test_batch_coupled_layers_found_through_the_model_checks(clean):
 def test_shuffled_sampling_is_an_error_that_cites_the_poisson_epsilon(clean):
     finding = only(with_privacy(clean, sampler="shuffle"), "sampling-not-poisson")
     assert finding.severity is Severity.ERROR
-    assert f"{clean.accounting.summary['epsilon']['total']:.4g} assumes Poisson" in finding.evidence
+    assert f"{clean.accounting.summary.total_epsilon:.4g} assumes Poisson" in finding.evidence
     assert "no ε is known for shuffling" in finding.evidence
 
 

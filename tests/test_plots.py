@@ -111,9 +111,7 @@ def test_epsilon_curve_from_saved_facts_marks_unmet_assumption_and_tuning(tmp_pa
     facts = RunFacts(
         dataset=DatasetFacts("d", N),
         model=model_facts(nn.Linear(2, 2), "m"),
-        privacy=PrivacyPlan(
-            N, B, B / N, 30, 1.0, 1.0, DELTA, None, "pld", "shuffle", None, "mean"
-        ),
+        privacy=PrivacyPlan(N, B, B / N, 30, 1.0, 1.0, DELTA, None, "pld", "shuffle", None, "mean"),
         training=TrainingFacts("SGD", 0.1, 30, 0.3),
         accounting=accounting_facts(book),
         software={},

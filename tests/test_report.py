@@ -17,8 +17,9 @@ from torch.utils.data import TensorDataset
 
 import dpfy
 from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
-from dpfy.report import render as report_module
+from dpfy.report import card as card_module
 from dpfy.report.facts import (
+    FACTS_VERSION,
     PreprocessingStep,
     ResultFacts,
     RunFacts,
@@ -351,12 +352,14 @@ def test_json_round_trip_renders_identical_markdown(shuffled, tmp_path):
 def test_unbounded_epsilon_survives_strict_json():
     run, _ = private_run()
     facts = facts_of(run)
-    summary = {**facts.accounting.summary, "epsilon": {"training": math.inf, "total": math.inf}}
+    summary = dataclasses.replace(
+        facts.accounting.summary, epsilon={"training": math.inf, "total": math.inf}
+    )
     accounting = dataclasses.replace(facts.accounting, summary=summary)
     facts = dataclasses.replace(facts, accounting=accounting)
     text = json.dumps(facts.to_dict(), allow_nan=False)
     again = RunFacts.from_dict(json.loads(text))
-    assert again.accounting.summary["epsilon"]["total"] == math.inf
+    assert again.accounting.summary.total_epsilon == math.inf
     assert "(∞, 0.0001)-DP" in build_report(again).to_markdown()
     json.dumps(build_report(again).to_json(), allow_nan=False)
 
@@ -364,8 +367,10 @@ def test_unbounded_epsilon_survives_strict_json():
 def test_corrupt_or_foreign_facts_are_refused(poisson):
     _, facts = poisson
     data = facts.to_dict()
-    with pytest.raises(ValueError, match="not version-1 dpfy run facts"):
+    with pytest.raises(ValueError, match=f"not version-{FACTS_VERSION} dpfy run facts"):
         RunFacts.from_dict({**data, "version": 99})
+    with pytest.raises(ValueError, match=r"not version-2 dpfy run facts .*version=1\)"):
+        RunFacts.from_dict({**data, "version": 1})  # facts.json before the typed summary
     with pytest.raises(ValueError, match="unknown TrainingFacts fields"):
         RunFacts.from_dict({**data, "training": {**data["training"], "secret": 1}})
     with pytest.raises(ValueError, match="malformed DatasetFacts"):
@@ -443,7 +448,7 @@ def test_json_keys_are_the_documented_schema(poisson):
     data = build_report(facts).to_json()
     assert set(data) == SCHEMA_KEYS
     for key in SCHEMA_KEYS - {"format", "version", "title", "headline"}:
-        assert f"    {key}:" in report_module.__doc__  # documented in the module docstring
+        assert f"    {key}:" in card_module.__doc__  # documented in the module docstring
     assert set(data["epsilon"]) == {
         "delta",
         "accountant",

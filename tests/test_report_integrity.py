@@ -120,7 +120,7 @@ def test_rerendered_report_prints_the_recomputed_epsilon_not_the_stored_one(run_
     edit_facts(run_copy, scale_at("accounting", "summary", "epsilon", "total", factor=1 + 1e-9))
     stored = json.loads((run_copy / "facts.json").read_text())["accounting"]["summary"]
     loaded = RunFacts.load(run_copy / "facts.json")
-    assert loaded.accounting.summary["epsilon"]["total"] != stored["epsilon"]["total"]
+    assert loaded.accounting.summary.total_epsilon != stored["epsilon"]["total"]
     assert render_run(run_copy, "json") == before
 
 
@@ -305,7 +305,11 @@ MALFORMED: dict[str, tuple[Callable[[Path], None], str]] = {
         lambda d: edit_facts(d, set_at("accounting", "notes", value=7)),
         "accounting.notes",
     ),
-    "foreign version": (lambda d: edit_facts(d, set_at("version", value=2)), "version"),
+    "foreign version": (lambda d: edit_facts(d, set_at("version", value=99)), "version"),
+    "facts from before the typed summary": (
+        lambda d: edit_facts(d, set_at("version", value=1)),
+        "not version-2 dpfy run facts",
+    ),
 }
 
 

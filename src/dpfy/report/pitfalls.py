@@ -2,11 +2,10 @@
 
 Each detector is one small function registered with :func:`detector`; it reads a
 :class:`~dpfy.report.facts.RunFacts` and returns zero or more :class:`Finding` s, each with the
-evidence
-from the facts and the fix. :func:`find_pitfalls` runs them all; the report lists what they find.
-Model checks that need the live model (batch-coupled or sparse layers, :mod:`dpfy.train.checks`)
-are run
-when the facts are collected and read back here, so a saved run is checked without torch.
+evidence from the facts and the fix. :func:`find_pitfalls` runs them all; the report lists what
+they find. Model checks that need the live model (batch-coupled or sparse layers,
+:mod:`dpfy.train.checks`) are run when the facts are collected and read back here, so a saved run
+is checked without torch. Mode-dependent phrases come from :mod:`dpfy.report.wording`.
 
 Severities: ``error`` — the stated guarantee is not established as reported; ``warning`` — the
 guarantee holds but utility or comparability suffers; ``info`` — a fact a reader must know.
@@ -19,7 +18,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dpfy.plan.sampling import SamplingKind
+from dpfy.report.accounting import planned_sampling
 from dpfy.report.facts import LOSS_NORMALISATIONS, RunFacts
+from dpfy.report.wording import unit_wording, wording_for
 
 # C above this multiple of the median per-example norm: the noise σC dwarfs the clipped gradients.
 CLIP_TOO_LARGE = 5.0
@@ -108,9 +110,9 @@ def batch_coupled_layers(facts: RunFacts) -> Iterator[Finding]:
 @detector("sampling-not-poisson")
 def sampling_not_poisson(facts: RunFacts) -> Iterator[Finding]:
     """Shuffled batches are accounted as Poisson, an assumption they do not meet (guide §4.3)."""
-    kind = facts.privacy.sampler
-    eps = facts.accounting.summary["epsilon"]["total"]
-    if kind == "shuffle":
+    record = planned_sampling(facts.privacy)
+    eps = facts.accounting.summary.total_epsilon
+    if not record.assumption_met:
         yield Finding(
             "sampling-not-poisson",
             Severity.ERROR,
@@ -122,7 +124,7 @@ def sampling_not_poisson(facts: RunFacts) -> Iterator[Finding]:
             "sampling assumption (DP-FTRL); otherwise disclose the mismatch as this report does.",
             "§4.3, §5.3.1",
         )
-    elif kind == "fixed-size":
+    elif record.kind is SamplingKind.FIXED_SIZE:
         yield Finding(
             "sampling-not-poisson",
             Severity.WARNING,
@@ -179,8 +181,9 @@ def _floor_log10(x: float) -> int:
 @detector("user-level-claim")
 def user_level_claim(facts: RunFacts) -> Iterator[Finding]:
     """A user-level claim from example-level sampling holds only if one example is one user."""
-    if facts.training.unit != "user" or facts.privacy.unit == "user":
-        return  # user-level DP-SGD samples and clips users: the claim holds
+    declared, sampled = unit_wording(facts.training.unit), unit_wording(facts.privacy.unit)
+    if not declared.groups_examples or sampled.groups_examples:
+        return  # an example-level claim, or a run that samples and clips users: the claim holds
     yield Finding(
         "user-level-claim",
         Severity.WARNING,
@@ -296,11 +299,10 @@ def clip_norm_mismatch(facts: RunFacts) -> Iterator[Finding]:
         return
     clip, median = stats.max_grad_norm, stats.median
     ratio = clip / median
-    unit = "example" if facts.privacy.microbatch_size is None else "microbatch"
-    unit = "user" if facts.privacy.unit == "user" else unit
+    unit, clipped = facts.privacy.clipping_unit, wording_for(facts.privacy).algorithm.clipped
     evidence = (
-        f"C = {clip:g}, median per-{unit} gradient norm = {median:.4g} (C = {ratio:.3g} × "
-        f"median), {stats.fraction_clipped:.0%} of {stats.count} {unit} gradients clipped"
+        f"C = {clip:g}, median per-{unit} {clipped} norm = {median:.4g} (C = {ratio:.3g} × "
+        f"median), {stats.fraction_clipped:.0%} of {stats.count} {unit} {clipped}s clipped"
     )
     if ratio > CLIP_TOO_LARGE:
         yield Finding(
@@ -346,7 +348,7 @@ def tuning_not_accounted(facts: RunFacts) -> Iterator[Finding]:
 
 def _labelled_events(facts: RunFacts) -> dict[str, Any]:
     """The ledger's non-training labels and their counts."""
-    return dict(facts.accounting.summary.get("labelled_events") or {})
+    return dict(facts.accounting.summary.labelled_events)
 
 
 __all__ = [

@@ -120,7 +120,7 @@ def epsilon_curve(source: Any, *, points: int = CURVE_POINTS) -> EpsilonCurve:
     delta, relation = float(state["delta"]), str(state["relation"])
     total = None
     if isinstance(source, RunFacts):
-        total = float(source.accounting.summary["epsilon"]["total"])
+        total = float(source.accounting.summary.total_epsilon)
     elif hasattr(source, "epsilon"):
         total = float(source.epsilon())
     return EpsilonCurve(

@@ -1,0 +1,150 @@
+"""The privacy report card: a headline and every item of the guide's §5.3.3 list, from the facts.
+
+:func:`build_report` turns :class:`~dpfy.report.facts.RunFacts` into a :class:`ReportCard`;
+nothing in it is typed by hand. The run's wording is looked up once from its privacy plan, each
+section is built by one declared function, and the Markdown is rendered from the same JSON the
+card exports, so the two never disagree. Diagnostics (accuracy, gradient-norm statistics) are
+computed without noise and are marked as not private; ``diagnostics=False`` drops them for
+publication.
+
+JSON schema (``ReportCard.to_json()``; keys are stable, version 1; ε values are numbers, or the
+strings "inf"/"nan" when unbounded, or null where not applicable)::
+
+    format: "dpfy.report.render", version: 1
+    title: str                                      "Privacy report: MODEL on DATASET"
+    headline: str                                   one-paragraph claim, honest about assumptions
+    dp_setting:      {model: "central", curator: "trusted", statement}                   §3.1
+    released:        {outputs: "final-model" | "every-checkpoint", statement}            §2.2
+    unit_of_privacy: {unit: "example" | "user", statement,
+                      users, examples, max_examples_per_user (user-level runs only)}     §2.1
+    neighbouring_relation: {relation, statement, comparability}                          §2.1
+    accounting:      {accountant, delta, sampling_rate, noise_multiplier, max_grad_norm,
+                      steps, planned_steps, expected_batch_size, dataset_size, sampler,
+                      sampler_description, sensitivity, noise_std, statement}            §4.2
+    assumptions:     {all_met,
+                      sampling: {kind, poisson, met, statement},
+                      noise_on_every_trainable_parameter: {met, noised_values, statement},
+                      frozen_parameters: {tensors, values, names, statement},
+                      clipping: {unit, microbatch_size, sensitivity_in_c, statement}}     §4.3
+    epsilon:         {delta, accountant, training, tuning, tuning_statement, other,
+                      total, target_epsilon, assumptions_met, under_poisson_assumption
+                      (null for DP-FTRL, which assumes no sampling), proven_total,
+                      statement}                                                         §5.4.2
+    epsilon_table:   {rows: [{delta, pld, rdp}], notes: [str], statement}
+    hyperparameters: {dataset_size, sampling_rate, expected_batch_size, noise_multiplier,
+                      max_grad_norm, steps, epochs, optimizer, learning_rate,
+                      microbatch_size, loss_reduction, sampler,
+                      unit, examples, max_examples_per_user (user-level runs only)}      §5.4.1
+    software:        {python, dpfy, torch, numpy, scipy, matplotlib, ...}                §5.3.3
+    pitfalls:        [{code, severity, title, evidence, fix, guide_section}]             §5.4–5.5
+    run:             {dataset: {name, size, source, preprocessing: [...]},
+                      model: {name, parameters, trainable, frozen}}
+    diagnostics:     {not_private: str, accuracy, baseline_accuracy, evaluated_on,
+                      grad_norms: {...} | null, clipped}   — only with ``diagnostics=True``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpfy.report import accounting_sections, run_sections, setting_sections
+from dpfy.report.facts import RunFacts
+from dpfy.report.json_codec import json_safe
+from dpfy.report.pitfalls import Finding, Severity, find_pitfalls
+from dpfy.report.run_parts import RELEASES
+from dpfy.report.sections import Section, show_epsilon
+from dpfy.report.wording import wording_for
+
+REPORT_FORMAT = "dpfy.report.render"
+REPORT_VERSION = 1
+
+#: Every section in the order of the guide's §5.3.3 list, then pitfalls, the run, diagnostics.
+SECTIONS: dict[str, Section] = {
+    spec.key: spec
+    for spec in (
+        *setting_sections.SECTIONS,
+        *accounting_sections.SECTIONS,
+        *run_sections.SECTIONS,
+    )
+}
+
+
+def _headline(facts: RunFacts, findings: tuple[Finding, ...]) -> str:
+    """One paragraph: the claim, the assumption it rests on, and how many errors undermine it.
+
+    Whether the claim holds, and if not why, is the ledger's sampling records' own word.
+    """
+    summary = facts.accounting.summary
+    eps, delta = show_epsilon(summary.total_epsilon), summary.delta
+    unmet = [s.sampling for s in summary.sampling if not s.sampling.assumption_met]
+    if not unmet:
+        text = (
+            f"{facts.model.name} trained on {facts.dataset.name}, releasing "
+            f"{RELEASES[facts.training.released]}, satisfies ({eps}, {delta:g})-DP at the "
+            f"{facts.training.unit} level under {summary.relation} adjacency "
+            f"({summary.accountant.upper()} accounting of training and every recorded tuning "
+            "run)."
+        )
+    else:
+        text = (
+            f"{facts.model.name} trained on {facts.dataset.name}: ε = {eps} at δ = {delta:g} "
+            f"rests on a sampling assumption this run did NOT meet. {unmet[0].description} No ε "
+            "is proven for the sampling actually used."
+        )
+    errors = sum(f.severity is Severity.ERROR for f in findings)
+    if errors:
+        text += f" {errors} error-level pitfall(s) below weaken or void this claim."
+    return text
+
+
+@dataclass(frozen=True)
+class ReportCard:
+    """The report: a headline and one JSON-ready section per §5.3.3 item, plus pitfalls."""
+
+    title: str
+    headline: str
+    sections: dict[str, Any]
+    findings: tuple[Finding, ...]
+
+    def to_json(self, *, diagnostics: bool = True) -> dict[str, Any]:
+        """The stable JSON form (schema in the module docstring)."""
+        body = {
+            key: value
+            for key, value in self.sections.items()
+            if diagnostics or not SECTIONS[key].diagnostic
+        }
+        return json_safe(
+            {
+                "format": REPORT_FORMAT,
+                "version": REPORT_VERSION,
+                "title": self.title,
+                "headline": self.headline,
+                **body,
+            }
+        )
+
+    def to_markdown(self, *, diagnostics: bool = True) -> str:
+        """A human-readable report; ``diagnostics=False`` leaves out the non-private figures."""
+        lines = [f"# {self.title}", "", self.headline]
+        for key, value in self.sections.items():
+            spec = SECTIONS[key]
+            if spec.diagnostic and not diagnostics:
+                continue
+            lines += ["", f"## {spec.title}", "", *spec.render(value)]
+        return "\n".join(lines) + "\n"
+
+
+def build_report(facts: RunFacts) -> ReportCard:
+    """The report card of a run, derived entirely from its facts and the pitfall detectors."""
+    findings = find_pitfalls(facts)
+    words = wording_for(facts.privacy)
+    return ReportCard(
+        title=f"Privacy report: {facts.model.name} on {facts.dataset.name}",
+        headline=_headline(facts, findings),
+        sections={key: spec.build(facts, findings, words) for key, spec in SECTIONS.items()},
+        findings=findings,
+    )
+
+
+__all__ = ["REPORT_FORMAT", "REPORT_VERSION", "SECTIONS", "ReportCard", "build_report"]
