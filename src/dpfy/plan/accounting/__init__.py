@@ -40,7 +40,8 @@ from dpfy.plan.accounting.events import (
     TrialDistribution,
     dpsgd_event,
 )
-from dpfy.plan.accounting.pld import PldAccountant, PldPrecision
+from dpfy.plan.accounting.pld import PldAccountant
+from dpfy.plan.accounting.pld_discrete import PldPrecision
 from dpfy.plan.accounting.rdp import GridEdgeWarning, RdpAccountant
 
 __all__ = [
