@@ -9,7 +9,7 @@ so ``dpfy report RUN_DIR`` re-renders a report from the saved file.
 
 A saved file is evidence, not authority: :meth:`RunFacts.load` refuses malformed or impossible
 facts (δ outside (0, 1), σ ≤ 0, NaN, …) and recomputes every ε from the stored ledger events
-(:func:`~dpfy.report.recompute.recompute_accounting`); a stored figure that disagrees is refused
+(:func:`recompute_accounting`); a stored figure that disagrees is refused
 rather than printed. The parts of the facts live in :mod:`~dpfy.report.run_parts`,
 :mod:`~dpfy.report.accounting` and :mod:`~dpfy.report.clip_norms`, and are importable from here.
 """
@@ -44,7 +44,7 @@ from dpfy.report.accounting import (
 )
 from dpfy.report.clip_norms import GradNormStats, NormLog, record_clip_norms
 from dpfy.report.json_codec import asdict, build, json_restore, json_safe, optional
-from dpfy.report.recompute import RECOMPUTE_RULE, recompute_accounting
+from dpfy.report.recompute import RECOMPUTE_RULE, check_settings_against, recomputed_accounting
 from dpfy.report.run_parts import (
     LOSS_NORMALISATIONS,
     RELEASES,
@@ -170,6 +170,19 @@ class RunFacts:
             return recompute_accounting(cls.from_dict(data))
         except ValueError as err:
             raise ValueError(f"{path}: {err}; {_RESTORE}") from None
+
+
+def recompute_accounting(facts: RunFacts) -> RunFacts:
+    """``facts`` with its accounting recomputed from the stored ledger events and accountant.
+
+    A re-rendered report recomputes ε from the stored events and never trusts a stored number: a
+    stored figure that disagrees beyond rounding, or settings the ledger's steps contradict (δ,
+    accountant, σ, q, sampler, steps), is a ValueError naming the field; otherwise the returned
+    facts carry only the recomputed figures.
+    """
+    fresh = recomputed_accounting(facts.accounting)
+    check_settings_against(facts.privacy, facts.training, facts.grad_norms, fresh)
+    return dataclasses.replace(facts, accounting=fresh)
 
 
 #: What every refusal of a saved file tells the user to do.

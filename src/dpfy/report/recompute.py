@@ -1,22 +1,24 @@
 """A saved report's figures, recomputed from its stored ledger events and checked against it.
 
 A saved file is evidence, not authority: a re-rendered report recomputes ε from the stored
-events and never trusts a stored number. :func:`recompute_accounting` rebuilds the ledger (with
-every check it made when the steps were recorded), recomputes every figure, and refuses a stored
-figure or setting the recomputation does not bear out.
+events and never trusts a stored number. :func:`recomputed_accounting` rebuilds the ledger (with
+every check it made when the steps were recorded) and recomputes every figure, refusing a stored
+one it does not bear out; :func:`check_settings_against` refuses settings the ledger's steps
+contradict. :func:`dpfy.report.facts.recompute_accounting` applies both to a run's facts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from dpfy.report.accounting import accounting_facts
+from dpfy.report.accounting import AccountingFacts, accounting_facts
 from dpfy.report.json_codec import asdict, json_restore, json_safe
 
 if TYPE_CHECKING:
-    from dpfy.report.facts import RunFacts
+    from dpfy.plan.privacy_plan import PrivacyPlan
+    from dpfy.report.clip_norms import GradNormStats
+    from dpfy.report.run_parts import TrainingFacts
 
 #: Why a stored figure is refused (said in docstrings and in every disagreement message).
 RECOMPUTE_RULE = (
@@ -27,17 +29,15 @@ RECOMPUTE_RULE = (
 _RELATIVE_TOLERANCE = 1e-6
 
 
-def recompute_accounting(facts: RunFacts) -> RunFacts:
-    """``facts`` with its accounting recomputed from the stored ledger events and accountant.
+def recomputed_accounting(stored: AccountingFacts) -> AccountingFacts:
+    """``stored`` recomputed from its ledger state and accountant; a disagreement is refused.
 
-    The ledger is rebuilt from ``accounting.ledger_state``, and its summary, ε under the Poisson
-    assumption and ε table are computed afresh. A stored figure that disagrees beyond rounding,
-    or settings the ledger's steps contradict (δ, accountant, σ, q, sampler, steps), is a
-    ValueError naming the field; otherwise the returned facts carry only the recomputed figures.
+    The ledger is rebuilt from ``ledger_state``, and its summary, ε under the Poisson assumption
+    and ε table are computed afresh at the stored δ. A stored figure that disagrees beyond
+    rounding is a ValueError naming the field; otherwise the recomputation is returned.
     """
     from dpfy.train.ledger import PrivacyLedger
 
-    stored = facts.accounting
     try:
         ledger = PrivacyLedger.from_state_dict(stored.ledger_state)
         fresh = accounting_facts(ledger, [row.delta for row in stored.epsilon_table])
@@ -60,8 +60,7 @@ def recompute_accounting(facts: RunFacts) -> RunFacts:
         problem = _disagreement(where, json_restore(json_safe(old)), json_restore(json_safe(new)))
         if problem is not None:
             raise ValueError(f"{problem} {under}")
-    _check_settings_against(facts, fresh.ledger_state, ledger.steps)
-    return dataclasses.replace(facts, accounting=fresh)
+    return fresh
 
 
 def _disagreement(where: str, stored: Any, fresh: Any) -> str | None:
@@ -120,9 +119,15 @@ def _show(value: Any) -> str:
     return f"{value!r:.80}"
 
 
-def _check_settings_against(facts: RunFacts, state: dict[str, Any], steps: int) -> None:
-    """The settings the report prints must be the ones the ledger's steps were accounted with."""
-    p, t = facts.privacy, facts.training
+def check_settings_against(
+    p: PrivacyPlan, t: TrainingFacts, norms: GradNormStats | None, fresh: AccountingFacts
+) -> None:
+    """The settings the report prints must be the ones the ledger's steps were accounted with.
+
+    ``p`` and ``t`` are the stored plan and training facts, ``norms`` the stored gradient-norm
+    summary, ``fresh`` the recomputed accounting; a contradiction is a ValueError naming it.
+    """
+    state, steps = fresh.ledger_state, fresh.summary.steps
     ledger = "the stored ledger"
     pairs = [
         ("privacy.delta", p.delta, state["delta"], ledger),
@@ -148,7 +153,6 @@ def _check_settings_against(facts: RunFacts, state: dict[str, Any], steps: int) 
                 f"{where} is {_show(mine)} but {source} accounted {_show(theirs)} "
                 f"({RECOMPUTE_RULE})"
             )
-    norms = facts.grad_norms
     if norms is not None and not _close(norms.max_grad_norm, p.max_grad_norm):
         raise ValueError(  # the diagnostics state how many norms were clipped at the run's C
             f"grad_norms.max_grad_norm is {_show(norms.max_grad_norm)} but the run clipped at "
@@ -165,4 +169,4 @@ def _check_settings_against(facts: RunFacts, state: dict[str, Any], steps: int) 
             )
 
 
-__all__ = ["RECOMPUTE_RULE", "recompute_accounting"]
+__all__ = ["RECOMPUTE_RULE", "check_settings_against", "recomputed_accounting"]
