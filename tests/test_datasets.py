@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from dpfy.data import DatasetNotFound, IdxFormatError, available_datasets, load_dataset
+from dpfy.data import (
+    DatasetNotFound,
+    IdxFormatError,
+    available_datasets,
+    idx_datasets,
+    load_dataset,
+)
 from dpfy.data import adult as adult_format
 from dpfy.data import datasets as datasets_module
 from dpfy.data.idx import read_idx, write_idx
@@ -256,8 +262,8 @@ def test_idx_scaling_without_standardisation_is_pixel_over_255(tmp_path):
 
 
 def test_missing_fashion_mnist_names_the_package_and_the_path(tmp_path, monkeypatch):
-    spec = dataclasses.replace(datasets_module._FASHION, default_dirs=(tmp_path / "none",))
-    monkeypatch.setattr(datasets_module, "_FASHION", spec)
+    spec = dataclasses.replace(idx_datasets._FASHION, default_dirs=(tmp_path / "none",))
+    monkeypatch.setattr(idx_datasets, "_FASHION", spec)
     with pytest.raises(DatasetNotFound) as caught:
         load_dataset("fashion-mnist")
     message = str(caught.value)

@@ -1,0 +1,113 @@
+"""What every dataset loader returns (LoadedDataset) and is given (LoadOptions), and the steps
+loaders share, so each split and scaling is recorded the same way (guide §5.5.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+from dpfy.data.preprocessing import Preprocessing, fit_standardizer
+
+__all__ = ["SPLIT_SEED", "TEST_FRACTION", "DatasetNotFound", "LoadOptions", "LoadedDataset"]
+
+SPLIT_SEED = 0
+TEST_FRACTION = 0.2
+_FITTED_STEP = "standardise each numeric feature with mean/std fitted on the training split"
+
+
+class DatasetNotFound(ValueError):
+    """The dataset's files are not on this machine; the message says what provides them."""
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What the caller asked for: where to look, how many examples, which scaling."""
+
+    data_dir: Path | None = None
+    limit: int | None = None
+    standardize: bool = True
+    declare_public: bool = False
+
+
+@dataclass(frozen=True)
+class LoadedDataset:
+    """A dataset ready for training, with the facts a privacy report needs about it."""
+
+    name: str
+    train: TensorDataset
+    test: TensorDataset
+    num_classes: int
+    input_shape: tuple[int, ...]
+    source: str
+    preprocessing: Preprocessing
+    split: str
+    class_names: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (no tensors) for the report."""
+        return {
+            "name": self.name,
+            "source": self.source,
+            "train_size": len(self.train),
+            "test_size": len(self.test),
+            "num_classes": self.num_classes,
+            "input_shape": list(self.input_shape),
+            "split": self.split,
+            "preprocessing": self.preprocessing.to_dict(),
+        }
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _tensors(features: np.ndarray, labels: np.ndarray, shape: tuple[int, ...]) -> TensorDataset:
+    """Features as float32 of shape (N, *shape) and labels as int64, in one TensorDataset."""
+    x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).reshape(-1, *shape)
+    y = torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64))
+    return TensorDataset(x, y)
+
+
+def _head(array: np.ndarray, limit: int | None) -> np.ndarray:
+    """The first ``limit`` rows (all of them without a limit)."""
+    return array if limit is None else array[:limit]
+
+
+def _split(
+    features: np.ndarray, labels: np.ndarray, limit: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The fixed stratified 80/20 split (seed :data:`SPLIT_SEED`), each part cut to ``limit``."""
+    from sklearn.model_selection import train_test_split
+
+    x_train, x_test, y_train, y_test = train_test_split(
+        features, labels, test_size=TEST_FRACTION, stratify=labels, random_state=SPLIT_SEED
+    )
+    return _head(x_train, limit), _head(x_test, limit), _head(y_train, limit), _head(y_test, limit)
+
+
+def _split_note(base: str, limit: int | None) -> str:
+    """Describe the split, mentioning the limit when one was applied."""
+    return base if limit is None else f"{base}; first {limit} examples of each split kept"
+
+
+_STRATIFIED = (
+    f"stratified {1 - TEST_FRACTION:.0%}/{TEST_FRACTION:.0%} train/test split, "
+    f"seed {SPLIT_SEED} (sklearn train_test_split)"
+)
+
+
+def _standardise_tabular(
+    x_train: np.ndarray, x_test: np.ndarray, columns: slice, options: LoadOptions
+) -> tuple[np.ndarray, np.ndarray, list[str], bool]:
+    """Z-score ``columns`` with statistics fitted on the training split, if asked to."""
+    if not options.standardize:
+        return x_train, x_test, ["numeric features left unscaled (standardize=False)"], False
+    scaler = fit_standardizer(x_train[:, columns])
+    x_train, x_test = x_train.astype(np.float64), x_test.astype(np.float64)
+    x_train[:, columns] = scaler(x_train[:, columns])
+    x_test[:, columns] = scaler(x_test[:, columns])
+    return x_train, x_test, [f"{_FITTED_STEP} (private data)"], True
