@@ -167,10 +167,10 @@ def _dpfy_step(
     ``dpfy_fast_nonoise`` drives the engine alone (clip, sum at 1/B, SGD) to show its own cost.
     """
     from dpfy.data.provenance import Provenance
-    from dpfy.plan.sampling import SamplingKind, SamplingRecord
+    from dpfy.plan.resolvers import PlanRequest, make_plan
     from dpfy.train.grads import make_engine
     from dpfy.train.ledger import PrivacyLedger
-    from dpfy.train.optim import DPOptimizer, NoiseSettings
+    from dpfy.train.optim import DPOptimizer
 
     kind = method.removeprefix("dpfy_").removesuffix("_nonoise")
     engine = make_engine(model, kind)
@@ -187,10 +187,15 @@ def _dpfy_step(
 
         return engine_step
     ledger = PrivacyLedger(1e-5)
-    sampling = SamplingRecord(SamplingKind.POISSON, 0.01, 100_000)
+    plan = make_plan(
+        PlanRequest(
+            records=100_000, batch_size=256, delta=1e-5, max_grad_norm=1.0, steps=10**8,
+            noise_multiplier=1.0,
+        )
+    )  # fmt: skip
     batches = Provenance()  # the benchmark is its own loader: it publishes each batch it feeds
     private = DPOptimizer(
-        optimizer, engine, ledger, sampling, NoiseSettings(1.0, 1.0, 256), provenance=batches
+        optimizer, engine, ledger, plan.sampling_record(), plan, provenance=batches
     )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:

@@ -471,12 +471,12 @@ def test_distributed_true_without_a_process_group_is_refused():
 )
 def test_one_process_routes_refuse_a_running_process_group(monkeypatch, route):
     # Under torchrun these would silently train one private model per rank: W unaccounted runs.
-    import dpfy.train.session
+    import dpfy.train.builder
 
     group = object.__new__(
-        dpfy.train.session.ProcessGroupReplicas
+        dpfy.train.builder.ProcessGroupReplicas
     )  # stands for a live 2-rank group
-    monkeypatch.setattr(dpfy.train.session, "current_replicas", lambda: group)
+    monkeypatch.setattr(dpfy.train.builder, "current_replicas", lambda: group)
     model = mlp()
     kwargs = {"batch_size": 10, "delta": 1e-5, "max_grad_norm": 1.0, "steps": 2}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -16,29 +16,27 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.data.ordered_sampling import OrderedSampler
 from dpfy.data.provenance import Provenance
 from dpfy.plan.accounting import make_accountant
 from dpfy.plan.accounting.accountant import UnsupportedEventError
 from dpfy.plan.accounting.events import GaussianEvent, NeighbouringRelation, TreeAggregationEvent
 from dpfy.plan.accounting.rdp import RdpAccountant
 from dpfy.plan.accounting.rdp_composition import rdp_curve
+from dpfy.plan.resolvers import PlanRequest, make_plan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
-from dpfy.train.ftrl import (
-    DPFTRLOptimizer,
-    OrderedSampler,
-    TreeNoise,
+from dpfy.plan.tree_events import (
     charged_nodes,
     ftrl_step_events,
     ftrl_tree_events,
-    make_private_ftrl,
     new_tree_nodes,
-    node_variance,
-    prefix_variance,
     resolve_restart,
 )
 from dpfy.train.ledger import BudgetExhausted, PrivacyLedger
+from dpfy.train.noise.mechanisms import TreeAggregationMechanism
 from dpfy.train.noise.source import TorchNoise
-from dpfy.train.optim import NoiseSettings
+from dpfy.train.noise.tree import TreeNoise, node_variance, prefix_variance
+from dpfy.train.optim import DPOptimizer
 
 ZERO_OUT = NeighbouringRelation.ZERO_OUT
 COORDS = 40_000  # coordinates per statistical test: the sample variance is within ~3% at 1e-6
@@ -388,10 +386,11 @@ def test_fixed_order_sampler_visits_every_example_once_per_epoch_in_order():
 def ftrl_run(momentum: float = 0.0, restart_every="epoch", **kwargs):
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=momentum)
-    private = make_private_ftrl(
+    private = dpfy.make_private(
         model,
         optimizer,
         tiny_data(),
+        algorithm="dp-ftrl",
         batch_size=8,
         delta=1e-3,
         max_grad_norm=0.5,
@@ -407,12 +406,12 @@ def ftrl_run(momentum: float = 0.0, restart_every="epoch", **kwargs):
 @pytest.mark.parametrize("restart_every", ["epoch", 2])
 def test_zero_noise_dp_ftrl_equals_ftrl_on_clipped_sums(restart_every):
     private = ftrl_run(restart_every=restart_every, steps=15)
-    private.optimizer.tree.noise = ZeroNoise()
+    private.optimizer.mechanism.tree.noise = ZeroNoise()
     reference = tiny_model()  # same seed: same initial parameters, no engine hooks
     anchor = [p.detach().clone() for p in reference.parameters()]
     prefix = [torch.zeros_like(p) for p in anchor]
     data = tiny_data()
-    k = private.optimizer.restart_every
+    k = private.optimizer.mechanism.restart_every
     for step in range(15):
         position = step % 6  # 48 // 8 = 6 steps per epoch, fixed order
         if position % k == 0:  # restart: re-centre on the current parameters
@@ -431,7 +430,7 @@ def test_zero_noise_dp_ftrl_equals_ftrl_on_clipped_sums(restart_every):
 
 def test_zero_noise_dp_ftrl_with_momentum_equals_sgd_momentum_on_clipped_means():
     private = ftrl_run(momentum=0.9, restart_every=3, steps=14)
-    private.optimizer.tree.noise = ZeroNoise()
+    private.optimizer.mechanism.tree.noise = ZeroNoise()
     reference = tiny_model()  # same seed: same initial parameters, no engine hooks
     sgd = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
     data = tiny_data()
@@ -455,9 +454,9 @@ def test_noise_on_the_parameters_is_lr_times_tree_noise_over_b():
     x = torch.zeros(48, 20_000)
     data = TensorDataset(x, torch.zeros(48))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    private = make_private_ftrl(
+    private = dpfy.make_private(
         model, optimizer, data, batch_size=b, delta=1e-3, max_grad_norm=c,
-        noise_multiplier=sigma, steps=1, seed=3, sampler="fixed-order",
+        noise_multiplier=sigma, steps=1, seed=3, sampler="fixed-order", algorithm="dp-ftrl",
     )  # fmt: skip
     for xb, yb in private.loader:
         private.optimizer.zero_grad()
@@ -466,21 +465,34 @@ def test_noise_on_the_parameters_is_lr_times_tree_noise_over_b():
     assert_variance(model.weight.detach().flatten(), (lr * sigma * c / b) ** 2)
 
 
-def test_restart_recentres_the_anchor_and_restarts_the_tree():
+def test_restart_starts_a_fresh_tree_whose_first_release_is_its_first_leaf():
     private = ftrl_run(restart_every=2, steps=5)
-    opt = private.optimizer
+    mechanism = private.optimizer.mechanism
     seen = []
     for x, y in private.loader:
-        before = {n: p.detach().clone() for n, p in private.model.named_parameters()}
-        opt.zero_grad()
+        private.optimizer.zero_grad()
         nn.functional.cross_entropy(private.model(x), y).backward()
-        opt.step()
-        seen.append(opt.tree.steps)
-        if opt.tree.steps == 1:
-            assert set(opt._anchor) == set(before)
-            for name, anchor in opt._anchor.items():
-                assert torch.equal(anchor, before[name])
+        private.optimizer.step()
+        seen.append(mechanism.tree.steps)
+        released = mechanism.tree.cumulative()  # the noise released so far in this tree
+        for name, noise in mechanism._released.items():
+            assert torch.equal(noise, released[name])
     assert seen == [1, 2, 1, 2, 1]
+
+
+def test_noisy_gradients_telescope_to_the_noisy_prefix_sum_within_a_tree():
+    # Σ of the released differences over a tree is its noisy prefix sum ŝ_t = Σ g + z_t: the
+    # privacy of the releases is the tree's, whatever optimizer post-processes them.
+    like = {"w": torch.zeros(5)}
+    mechanism = TreeAggregationMechanism(
+        like, TorchNoise(seed=0), 1.0, steps_per_epoch=4, restart_every=4, variant="plain"
+    )
+    gradients = [torch.full((5,), float(t)) for t in range(4)]
+    total = torch.zeros(5)
+    for g in gradients:
+        total += mechanism.privatise({"w": g.clone()})["w"]
+    expected = sum(gradients) + mechanism.tree.cumulative()["w"]
+    torch.testing.assert_close(total, expected)
 
 
 def test_ledger_equals_the_tree_events_of_the_run():
@@ -497,9 +509,10 @@ def test_ledger_equals_the_tree_events_of_the_run():
 
 def test_target_epsilon_is_met_and_the_budget_guard_refuses_the_next_node():
     model = tiny_model()
-    private = make_private_ftrl(
+    private = dpfy.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_data(), batch_size=8,
         delta=1e-3, max_grad_norm=1.0, target_epsilon=2.0, epochs=2, seed=1,
+        algorithm="dp-ftrl",
     )  # fmt: skip
     train(private)
     assert private.ledger.epsilon() <= 2.0
@@ -536,8 +549,9 @@ def test_make_private_dispatches_to_dp_ftrl_and_returns_private_training():
         delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, epochs=1, algorithm="dp-ftrl",
     )  # fmt: skip
     assert isinstance(private, dpfy.PrivateTraining)
-    assert isinstance(private.optimizer, DPFTRLOptimizer)
-    assert private.plan.sampler == "tree-shuffle"
+    assert type(private.optimizer) is DPOptimizer  # one private step for every variant
+    assert isinstance(private.optimizer.mechanism, TreeAggregationMechanism)
+    assert private.plan.sampler == "tree-shuffle" and private.plan.mechanism == "tree-aggregation"
     assert private.ledger.relation is ZERO_OUT
 
 
@@ -560,41 +574,21 @@ def test_bad_input_is_refused_with_the_fix():
         make(sampler="poisson")
     with pytest.raises(ValueError, match="no meaning for it"):
         make(sampler="fixed-size")
-    with pytest.raises(ValueError, match=r"torch\.optim\.SGD"):
-        model = tiny_model()
-        dpfy.make_private(
-            model, torch.optim.Adam(model.parameters()), tiny_data(), batch_size=8, delta=1e-3,
-            max_grad_norm=1.0, noise_multiplier=1.0, epochs=1, algorithm="dp-ftrl",
-        )  # fmt: skip
-    with pytest.raises(ValueError, match="weight_decay"):
-        model = tiny_model()
-        dpfy.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-4), tiny_data(),
-            batch_size=8, delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, epochs=1,
-            algorithm="dp-ftrl",
-        )  # fmt: skip
     with pytest.raises(ValueError, match="algorithm must be"):
         make(algorithm="dp-foo")
     with pytest.raises(ValueError, match="user_ids"):
         make(user_ids=torch.zeros(48, dtype=torch.long))
+    with pytest.raises(ValueError, match="restart_every"):
+        make(algorithm="dp-sgd", restart_every=2)  # a tree setting means nothing to DP-SGD
     with pytest.raises(ValueError, match="exactly one of target_epsilon"):
         make(target_epsilon=1.0)
     model = tiny_model()
     with pytest.raises(ValueError, match="restart_every"):
-        make_private_ftrl(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_data(), batch_size=8,
-            delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, epochs=1, restart_every=0,
-        )  # fmt: skip
+        make(restart_every=0)
     with pytest.raises(ValueError, match="does not divide"):
-        make_private_ftrl(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_data(), batch_size=8,
-            delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, epochs=1, restart_every=4,
-        )  # fmt: skip
+        make(restart_every=4)
     with pytest.raises(ValueError, match="tree must be one of"):
-        make_private_ftrl(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_data(), batch_size=8,
-            delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, epochs=1, tree="fancy",
-        )  # fmt: skip
+        make(tree="fancy")
     # a DP-SGD run is unaffected by the new default sampler=None (still Poisson)
     model = tiny_model()
     sgd_run = dpfy.make_private(
@@ -604,17 +598,38 @@ def test_bad_input_is_refused_with_the_fix():
     assert sgd_run.plan.sampler == "poisson"
 
 
-def test_optimizer_refuses_a_poisson_record():
+def ftrl_plan():
+    request = PlanRequest(records=48, batch_size=8, delta=1e-3, max_grad_norm=1.0, steps=6,
+                          noise_multiplier=1.0)  # fmt: skip
+    return make_plan(request, "dp-ftrl")
+
+
+def test_optimizer_refuses_a_sampler_other_than_the_plans():
     model = tiny_model()
     engine = dpfy.train.grads.make_engine(model)
     ledger = PrivacyLedger(1e-3, relation="zero-out")
-    record = SamplingRecord(SamplingKind.POISSON, 0.1, 48)
-    with pytest.raises(ValueError, match="no sampling"):
-        DPFTRLOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), engine, ledger, record,
-            NoiseSettings(1.0, 1.0, 8), provenance=Provenance(),
+    record = SamplingRecord(SamplingKind.POISSON, 8 / 48, 48)
+    with pytest.raises(ValueError, match="sampler reports"):
+        DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), engine, ledger, record, ftrl_plan(),
+            provenance=Provenance(),
         )  # fmt: skip
     engine.detach()
+
+
+def test_dp_ftrl_trains_with_any_torch_optimizer_at_the_same_privacy():
+    # The optimizer only post-processes the released noisy gradients: Adam is as private as SGD.
+    model = tiny_model()
+    private = dpfy.make_private(
+        model, torch.optim.Adam(model.parameters(), lr=0.01), tiny_data(), batch_size=8,
+        delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, steps=7, algorithm="dp-ftrl",
+    )  # fmt: skip
+    before = copy.deepcopy(private.model.state_dict())
+    train(private)
+    assert any(not torch.equal(before[k], v) for k, v in private.model.state_dict().items())
+    reference = ftrl_run(steps=7, restart_every="epoch")
+    train(reference)
+    assert private.ledger.epsilon() == pytest.approx(reference.ledger.epsilon())
 
 
 def test_report_states_that_no_sampling_assumption_was_used():
@@ -639,11 +654,12 @@ def test_dpfy_train_refuses_dp_ftrl_settings_it_cannot_run():
     from dpfy.jobs.config import TrainConfig
     from dpfy.jobs.train import check_config
 
-    with pytest.raises(ValueError, match="optimizer sgd"):
-        check_config(TrainConfig(algorithm="dp-ftrl", optimizer="adam"))
+    with pytest.raises(ValueError, match="unit example"):
+        check_config(TrainConfig(algorithm="dp-ftrl", unit="user", batch_size=10))
     with pytest.raises(ValueError, match="algorithm must be one of"):
         check_config(TrainConfig(algorithm="dp-foo"))
     check_config(TrainConfig(algorithm="dp-ftrl", optimizer="sgd"))  # accepted
+    check_config(TrainConfig(algorithm="dp-ftrl", optimizer="adam"))  # post-processing
 
 
 @pytest.mark.slow
@@ -670,11 +686,11 @@ def test_optimizer_refuses_an_add_or_remove_ledger():
     # accept and report under the wrong adjacency: the tree bound holds for zero-out only.
     model = tiny_model()
     engine = dpfy.train.grads.make_engine(model)
-    record = SamplingRecord(SamplingKind.TREE_FIXED_ORDER, 8 / 48, 48, 8)
+    record = SamplingRecord(SamplingKind.TREE_SHUFFLE, 8 / 48, 48, 8)
     with pytest.raises(ValueError, match="zero-out"):
-        DPFTRLOptimizer(
+        DPOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), engine, PrivacyLedger(1e-3), record,
-            NoiseSettings(1.0, 1.0, 8), provenance=Provenance(),
+            ftrl_plan(), provenance=Provenance(),
         )  # fmt: skip
     engine.detach()
 
@@ -699,7 +715,7 @@ def test_a_skipped_batch_stops_the_run_until_a_checkpoint_is_reloaded(tmp_path):
     nn.functional.cross_entropy(private.model(x), y).backward()
     with pytest.raises(ValueError, match="skipped"):
         private.optimizer.step()
-    assert private.ledger.steps == 1 and private.optimizer.steps_done == 1
+    assert private.ledger.steps == 1 and private.optimizer.mechanism.steps_done == 1
     private.load(tmp_path / "ckpt.pt")
     train(private)
     assert private.ledger.steps == 12

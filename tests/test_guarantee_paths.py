@@ -75,7 +75,7 @@ def clipped_update(private: dpfy.PrivateTraining, x, y, units) -> torch.Tensor:
             private.model.parameters(), _unflatten(before, private.model), strict=True
         ):
             p.copy_(value)  # back to the same point for the neighbour
-    return delta / 0.1 * private.optimizer.settings.divisor
+    return delta / 0.1 * private.optimizer.plan.divisor
 
 
 def _unflatten(vector: torch.Tensor, model: nn.Module) -> list[torch.Tensor]:
@@ -454,8 +454,8 @@ def test_a_checkpoint_with_an_emptied_ledger_is_refused():
 
 
 def test_a_checkpoint_holding_only_the_format_marker_is_refused_with_one_message():
-    with pytest.raises(ValueError, match="lacks settings, model"):
-        private_run().load_state_dict({"format": "dpfy.checkpoint", "version": 2})
+    with pytest.raises(ValueError, match="lacks plan, model"):
+        private_run().load_state_dict({"format": "dpfy.checkpoint", "version": 3})
 
 
 def test_random_bit_flips_in_a_checkpoint_file_never_load_changed_state(tmp_path):

@@ -21,12 +21,12 @@ import dpfy
 from dpfy.data.user_sampling import UserDataLoader, UserPoissonSampler, check_user_ids
 from dpfy.plan.accounting import PldAccountant, dpsgd_event
 from dpfy.plan.accounting.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+from dpfy.plan.group_privacy import group_privacy
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.report.facts import collect_facts
 from dpfy.report.render import build_report
 from dpfy.train.grads import make_engine
 from dpfy.train.ledger import PrivacyLedger, StepRecord
-from dpfy.train.user_level import group_privacy
 
 # -- the engine's grouped clipping against a batch-of-one-user reference --------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "make_private": "dpfy.train.session",
+    "make_private": "dpfy.train.builder",
     "PrivateTraining": "dpfy.train.session",
     "fix": "dpfy.train.checks",
     "check_model": "dpfy.train.checks",

@@ -48,26 +48,3 @@ class OrderedSampler(ShuffleSampler):
         start = self._offset * self.batch_size
         self._offset += 1
         return self._permutation[start : start + self.batch_size]
-
-
-#: The orders make_private offers for DP-FTRL, by the name users pass as ``sampler``.
-ORDERS = {
-    "shuffle": SamplingKind.TREE_SHUFFLE,
-    "tree-shuffle": SamplingKind.TREE_SHUFFLE,
-    "fixed-order": SamplingKind.TREE_FIXED_ORDER,
-    "tree-fixed-order": SamplingKind.TREE_FIXED_ORDER,
-}
-
-
-def parse_order(sampler: SamplingKind | str | None) -> SamplingKind:
-    """The DP-FTRL order for ``sampler``; Poisson or fixed-size subsampling is refused with why."""
-    if sampler is None:
-        return SamplingKind.TREE_SHUFFLE
-    name = sampler.value if isinstance(sampler, SamplingKind) else str(sampler).strip().lower()
-    if name in ORDERS:
-        return ORDERS[name]
-    raise ValueError(
-        f"DP-FTRL takes batches in order, each example once per epoch, and is accounted with no "
-        f"sampling assumption, so sampler={name!r} has no meaning for it: choose "
-        "sampler='shuffle' or 'fixed-order' (or train with DP-SGD to use Poisson sampling)"
-    )

@@ -43,10 +43,10 @@ from dpfy.federated.aggregate import (
 )
 from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.train.builder import warn_if_delta_too_large
 from dpfy.train.checks import check_model
 from dpfy.train.ledger import PrivacyLedger, StepRecord
 from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
-from dpfy.train.session import warn_if_delta_too_large
 
 __all__ = [
     "DPFedAvg",

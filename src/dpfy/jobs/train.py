@@ -35,6 +35,7 @@ from dpfy.jobs.config import (
     public_seed,
 )
 from dpfy.jobs.run_dir import claim_run_dir, release_run_dir
+from dpfy.train.builder import make_private
 from dpfy.train.distributed import (
     ProcessGroupReplicas,
     SingleProcess,
@@ -42,7 +43,7 @@ from dpfy.train.distributed import (
     launched_process_group,
 )
 from dpfy.train.models import build_model
-from dpfy.train.session import PrivateTraining, make_private
+from dpfy.train.session import PrivateTraining
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
@@ -129,8 +130,8 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(
             f"algorithm must be one of {', '.join(ALGORITHM_NAMES)}; got {config.algorithm!r}"
         )
-    if config.algorithm == "dp-ftrl" and (config.optimizer != "sgd" or config.unit != "example"):
-        raise ValueError("--algorithm dp-ftrl needs --optimizer sgd and --unit example")
+    if config.algorithm == "dp-ftrl" and config.unit != "example":
+        raise ValueError("--algorithm dp-ftrl needs --unit example")
 
 
 def accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 1024) -> float:
@@ -190,9 +191,7 @@ def train_private(
             if step % eval_every == 0 or step == total:
                 entry = {
                     "step": step,
-                    "epoch": step
-                    * private.plan.expected_batch_size
-                    / private.plan.dataset_size,
+                    "epoch": step * private.plan.expected_batch_size / private.plan.dataset_size,
                     "loss": running_loss / max(running_seen, 1),
                     "train_accuracy": running_correct / max(running_seen, 1),
                     "test_accuracy": accuracy(private.model, data.test),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+
 
 @dataclass(frozen=True)
 class PrivacyPlan:
@@ -84,3 +86,14 @@ class PrivacyPlan:
         if self.unit == "user":
             return "user"
         return "example" if self.microbatch_size is None else "microbatch"
+
+    def sampling_record(self) -> SamplingRecord:
+        """The record the run's sampler must report: its kind, q, N and fixed batch size."""
+        kind = SamplingKind.parse(self.sampler)
+        return SamplingRecord(
+            kind,
+            self.sampling_rate,
+            self.dataset_size,
+            None if kind is SamplingKind.POISSON else self.expected_batch_size,
+            unit=self.unit,
+        )

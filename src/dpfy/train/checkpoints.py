@@ -19,7 +19,7 @@ import torch
 
 FORMAT = "dpfy.checkpoint"
 VERSION = 3
-PARTS = ("plan", "model", "optimizer", "ledger", "loader", "noise", "run")
+PARTS = ("plan", "model", "optimizer", "ledger", "loader", "noise", "mechanism", "run")
 
 
 def seal(state: dict[str, Any]) -> dict[str, Any]:

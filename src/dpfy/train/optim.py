@@ -1,4 +1,8 @@
-"""DPOptimizer: clip → sum → noise → ÷ expected batch size → any torch optimizer (guide alg. 1).
+"""DPOptimizer: the one private step — guard, clip, noise, ÷ expected units, update, record.
+
+Every variant takes this step (guide alg. 1): DP-SGD, microbatches, user-level DP-SGD and DP-FTRL
+differ only in their plan (:class:`~dpfy.plan.privacy_plan.PrivacyPlan`: the clipping unit, the
+sampling) and in the noise mechanism (:mod:`dpfy.train.noise.mechanisms`).
 
 The wrapped optimizer only post-processes privatised gradients (guide §4.2, §5.5.2), so SGD,
 Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enforces:
@@ -15,27 +19,26 @@ Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enfor
   (:mod:`dpfy.data.provenance`), and every parameter the wrapped optimizer would update is one
   the engine clipped and noised: anything else is refused before anything changes.
 
-The noise is drawn in one place, on the training thread (on the parameters' device): on the last
-physical batch of a step the engine opens each parameter's sum from its noise, just before that
-layer is summed, and adds the clipped sum into it in place, so a step holds one
-parameter-sized buffer per parameter and no noise through the forward and backward passes.
+Independent noise is drawn in one place, on the training thread (on the parameters' device): on
+the last physical batch of a step the engine opens each parameter's sum from its noise, just
+before that layer is summed, so a step holds one parameter-sized buffer per parameter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dpfy._validate import check_count, check_positive
 from dpfy.data.provenance import BatchRefused, DrawnBatch, Provenance
+from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingRecord
 from dpfy.train.distributed import GradientAggregator, LocalAggregator
-from dpfy.train.grads import ClipResult, GradEngine, LossReduction, NoiseStart
+from dpfy.train.grads import ClipResult, GradEngine, NoiseStart
 from dpfy.train.ledger import PrivacyLedger, StepRecord
-from dpfy.train.noise.source import NoiseSource, TorchNoise, fill_with_noise
+from dpfy.train.noise.mechanisms import NoiseMechanism, make_mechanism
+from dpfy.train.noise.source import NoiseSource, TorchNoise
 
 
 class NonFiniteGradientError(ValueError):
@@ -55,57 +58,6 @@ class BatchBoundary:
         self.chunk: tuple[int, int] | None = None
 
 
-@dataclass(frozen=True)
-class NoiseSettings:
-    """What a private step adds: σ, the clip norm C, and the clipping unit (example/microbatch)."""
-
-    noise_multiplier: float
-    max_grad_norm: float
-    expected_batch_size: float
-    microbatch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        check_positive("noise_multiplier", self.noise_multiplier)
-        check_positive("max_grad_norm", self.max_grad_norm)
-        check_positive("expected_batch_size", self.expected_batch_size)
-        if self.microbatch_size is not None:
-            check_count("microbatch_size", self.microbatch_size, minimum=1)
-
-    @property
-    def sensitivity(self) -> float:
-        """How far one example can move the clipped sum: C, or 2C for microbatch averages."""
-        return self.max_grad_norm * (1.0 if self.microbatch_size is None else 2.0)
-
-    @property
-    def noise_std(self) -> float:
-        """Per-coordinate std of the noise on the clipped sum: σ · sensitivity."""
-        return self.noise_multiplier * self.sensitivity
-
-    @property
-    def divisor(self) -> float:
-        """The expected number of clipping units: B, or B/k microbatches (never the realised)."""
-        if self.microbatch_size is None:
-            return self.expected_batch_size
-        return self.expected_batch_size / self.microbatch_size
-
-
-@dataclass(frozen=True)
-class _NoiseInto:
-    """The engine's :class:`NoiseStart`: every parameter's sum opens from its noise, drawn now."""
-
-    names: frozenset[str]
-    source: NoiseSource
-    std: float
-
-    def fill(self, name: str, out: torch.Tensor) -> None:
-        """Draw the noise of one parameter into the sum about to be opened."""
-        fill_with_noise(self.source, out, self.std)
-
-    def add(self, name: str, total: torch.Tensor) -> None:
-        """Add the noise of one parameter into a sum formed on earlier physical batches."""
-        total.add_(self.source.normal(total, self.std))
-
-
 class DPOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer; ``step()`` privatises the gradient before the wrapped update.
 
@@ -119,10 +71,9 @@ class DPOptimizer(torch.optim.Optimizer):
         engine: GradEngine,
         ledger: PrivacyLedger,
         sampling: SamplingRecord,
-        settings: NoiseSettings,
+        plan: PrivacyPlan,
         *,
         provenance: Provenance,
-        loss_reduction: LossReduction = "mean",
         noise: NoiseSource | None = None,
         boundary: BatchBoundary | None = None,
         aggregator: GradientAggregator | None = None,
@@ -134,8 +85,20 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the plain torch optimizer")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not isinstance(plan, PrivacyPlan):
+            raise ValueError("plan must be the run's PrivacyPlan (dpfy.plan.resolvers.make_plan)")
+        if plan.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {plan.loss_reduction!r}")
+        if ledger.relation.value != plan.relation:  # ε under another relation is another claim
+            raise ValueError(
+                f"the ledger accounts {ledger.relation.value} neighbours but the plan's guarantee "
+                f"holds for {plan.relation}: PrivacyLedger(delta, relation={plan.relation!r})"
+            )
+        if sampling != plan.sampling_record():
+            raise ValueError(
+                f"the sampler reports {sampling} but the plan was made for "
+                f"{plan.sampling_record()}: build the loader from the same plan"
+            )
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.original_optimizer = optimizer
         self.param_groups = optimizer.param_groups
@@ -143,21 +106,30 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine = engine
         self.ledger = ledger
         self.sampling = sampling
-        self.settings = settings
-        self.loss_reduction = loss_reduction
-        self.noise = noise if noise is not None else TorchNoise()
+        self.plan = plan
         self.boundary = boundary if boundary is not None else BatchBoundary()
         self.aggregator = aggregator if aggregator is not None else LocalAggregator()
+        self.mechanism: NoiseMechanism = make_mechanism(
+            plan, engine.params, noise if noise is not None else TorchNoise(), self._noise_share
+        )
         self.clip_observers: list[Callable[[ClipResult], None]] = []
         self.provenance = provenance
         engine.follow(provenance.stamp)
         self._private = {id(p) for p in engine.params.values()}
-        self._noised = frozenset(engine.params)  # every trainable parameter, every step
+
+    @property
+    def noise(self) -> NoiseSource:
+        """The source the mechanism draws from (replaceable: the mechanism keeps its state)."""
+        return self.mechanism.source
+
+    @noise.setter
+    def noise(self, source: NoiseSource) -> None:
+        self.mechanism.source = source
 
     @property
     def clipping_unit(self) -> str:
-        """The unit this optimizer accounts for ('example', 'microbatch'; user level: 'user')."""
-        return "example" if self.settings.microbatch_size is None else "microbatch"
+        """The unit this optimizer clips and accounts: 'example', 'microbatch' or 'user'."""
+        return self.plan.clipping_unit
 
     @property
     def _noise_share(self) -> float:
@@ -166,7 +138,7 @@ class DPOptimizer(torch.optim.Optimizer):
         The sum is formed already divided by the expected units (see :meth:`_clip`), so the
         noise is drawn at that scale too: no pass over the parameters divides it afterwards.
         """
-        return self.aggregator.share_std(self.settings.noise_std) / self.settings.divisor
+        return self.aggregator.share_std(self.plan.noise_std) / self.plan.divisor
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Clip this batch; at the end of a logical batch, noise, account, and update.
@@ -178,10 +150,9 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         batch = self._take_batch()
-        during = None
-        if self.boundary.closes_batch:  # every parameter's noise, drawn once, used once
-            during = _NoiseInto(self._noised, self.noise, self._noise_share)
-        result = self._guarded(self._clip, batch, during, scale=1.0 / self.settings.divisor)
+        closes = self.boundary.closes_batch
+        opening = self.mechanism.opening() if closes else None
+        result = self._guarded(self._clip, batch, opening, scale=1.0 / self.plan.divisor)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
@@ -192,10 +163,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 "or lower the learning rate, then reload the last checkpoint. Do not catch this "
                 "and train on: skipping a batch because of one example is not accounted"
             )
-        if not self.boundary.closes_batch:
+        if not closes:
             return loss
         record = StepRecord(
-            self.sampling, self.settings.noise_multiplier, batch_size=self.engine.num_examples
+            self.mechanism.sampling(self.sampling, batch),
+            self.plan.noise_multiplier,
+            batch_size=self.engine.num_examples,
         )
         self._guarded(self.provenance.check_size, batch, self.engine.num_examples)
         self._guarded(self.ledger.check_step, record)  # BudgetExhausted before anything changes
@@ -227,6 +200,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"clipping per {self.clipping_unit}; build the loader and optimizer together "
                 "with make_private"
             )
+        self.mechanism.check(batch)
         return batch
 
     def _check_updated_params(self) -> None:
@@ -281,25 +255,26 @@ class DPOptimizer(torch.optim.Optimizer):
         ``scale`` multiplies each clipped unit before it is summed (``step`` passes 1/B).
         """
         return self.engine.clip_and_accumulate(
-            self.settings.max_grad_norm,
-            self.loss_reduction,
+            self.plan.max_grad_norm,
+            self.plan.loss_reduction,  # type: ignore[arg-type]
             groups=self._units(batch),
             noise=noise,
             scale=scale,
         )
 
     def _write_private_grads(self) -> None:
-        """p.grad = (clipped sum + N(0, (σ·sensitivity)²)) / expected units, for every param.
+        """p.grad = (clipped sum + the mechanism's noise) / expected units, for every parameter.
 
-        The engine's sum began from this batch's noise and both were formed at 1/B scale;
-        across ranks the aggregator sums the ranks' noised shares (dpfy.train.distributed).
+        Sums and noise are formed at 1/B scale; across ranks the aggregator sums the ranks'
+        noised shares (dpfy.train.distributed).
         """
-        noisy = self.aggregator.combine(self.engine.summed_grads())
+        summed = self.engine.summed_grads()
+        noisy = self.aggregator.combine(self.mechanism.privatise(summed))
         for name, total in noisy.items():
             self.engine.params[name].grad = total
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state (the ledger and noise are saved by the session)."""
+        """The wrapped optimizer's state (ledger, noise and mechanism are saved by the session)."""
         return self.original_optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -310,8 +285,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         """Which optimizer is wrapped and the privacy settings."""
-        s = self.settings
+        s = self.plan
         return (
             f"DPOptimizer({type(self.original_optimizer).__name__}, σ={s.noise_multiplier:.4g}, "
-            f"C={s.max_grad_norm:.4g}, B={s.expected_batch_size:g}, engine={self.engine.kind})"
+            f"C={s.max_grad_norm:.4g}, B={s.expected_batch_size:g}, noise={s.mechanism}, "
+            f"engine={self.engine.kind})"
         )

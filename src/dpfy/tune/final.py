@@ -19,7 +19,7 @@ from dpfy.data.datasets import LoadedDataset
 from dpfy.jobs.train import accuracy, fresh_model, train_private
 from dpfy.report.facts import ResultFacts, collect_facts, record_clip_norms
 from dpfy.report.render import write_report
-from dpfy.train.session import make_private
+from dpfy.train.builder import make_private
 from dpfy.tune.trial import TrialConfig
 from dpfy.tune.tuner import TuningOutcome
 

@@ -1,6 +1,6 @@
 """One tuning trial: a short DP-SGD run of one configuration, scored on a validation split.
 
-A trial reuses the library's training path — :func:`dpfy.train.session.make_private`, the trainer's
+A trial reuses the library's training path — :func:`dpfy.train.builder.make_private`, the trainer's
 optimizers and accuracy — and returns its score, the number of correct validation predictions,
 the unclipped per-example gradient norms it saw (``DPOptimizer.clip_observers``) and the privacy
 event of what it actually did, read from its own ledger (DESIGN rule 4).
@@ -23,7 +23,7 @@ from dpfy._validate import check_count, check_positive, check_range
 from dpfy.jobs.train import OPTIMIZERS, accuracy, fresh_model
 from dpfy.plan.accounting.events import DpEvent
 from dpfy.report.facts import record_clip_norms
-from dpfy.train.session import make_private
+from dpfy.train.builder import make_private
 
 #: σ a zero-noise trial's throwaway session is built with; its noise source is then replaced by
 #: zeros and its ledger discarded (never reported).

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["Call", "Tap", "Taps", "output_tensors", "release"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Call:
     """One forward call of one layer: positional inputs, output gradients, and clipping layout.
 
@@ -158,16 +158,24 @@ class Taps:
         inputs) or none does (the outputs are then given a fresh autograd root in ``_post``, so
         backward stops there after handing us their gradients). Mixed inputs are left alone.
         """
-        self._begin()
-        if not (self.active and torch.is_grad_enabled()):
+        if self._fresh:
+            self._begin()
+        if not (tap.skip_param_grad and self.active and torch.is_grad_enabled()):
             return
-        if not tap.skip_param_grad:
-            return
-        needs = [x.requires_grad for x in args if isinstance(x, Tensor) and x.is_floating_point()]
+        if len(args) == 1 and isinstance(args[0], Tensor):  # one input: the common case
+            x = args[0]
+            needs = [x.requires_grad] if x.is_floating_point() else []
+        else:
+            needs = [
+                x.requires_grad for x in args if isinstance(x, Tensor) and x.is_floating_point()
+            ]
         if any(needs) and not all(needs):
             return  # some outputs could lose their graph; let autograd compute (we discard) it
+        params = module._parameters  # where tap.trainable's names live (the module's own)
         for name in tap.trainable:
-            param = getattr(module, name)
+            param = params.get(name)
+            if param is None:  # rebound outside the parameter dict since the engine was made
+                param = getattr(module, name)
             if param.requires_grad:
                 param.requires_grad_(False)
                 tap.frozen.append(param)
@@ -184,22 +192,33 @@ class Taps:
         """Restore the parameters, keep the inputs, and hook the gradient of each output."""
         reroot, tap.reroot = tap.reroot, False
         skipped = bool(tap.frozen)
-        self._unfreeze(tap)
+        if skipped:
+            self._unfreeze(tap)
         if not (self.active and torch.is_grad_enabled()):
             return None
         if reroot:
             output = _reroot(output)
-        every = list(output_tensors(output))
-        index = [j for j, t in enumerate(every) if t.requires_grad]
-        if not index:
-            return None
-        outputs = [every[j] for j in index]
+        if isinstance(output, Tensor):  # one output tensor: the common case
+            if not output.requires_grad:
+                return None
+            outputs, index = [output], [0]
+        else:
+            every = list(output_tensors(output))
+            index = [j for j, t in enumerate(every) if t.requires_grad]
+            if not index:
+                return None
+            outputs = [every[j] for j in index]
+        if len(args) == 1:
+            x = args[0]
+            versions: tuple[int | None, ...] = (x._version if isinstance(x, Tensor) else None,)
+        else:
+            versions = tuple(x._version if isinstance(x, Tensor) else None for x in args)
         call = Call(
             inputs=tuple(args),
             grads=[None] * len(outputs),
             out_meta=[(t.shape, t.dtype, t.device) for t in outputs],
             out_index=index,
-            versions=tuple(x._version if isinstance(x, Tensor) else None for x in args),
+            versions=versions,
             trainable=tap.trainable,
             skipped=skipped,
             stamp=None if self.stamp is None else self.stamp(),
@@ -211,9 +230,10 @@ class Taps:
 
     def _store_grad(self, tap: Tap, call: Call, index: int, grad: Tensor) -> None:
         """Tensor hook: keep the gradient of one output; hand a complete call to ``on_ready``."""
-        previous = call.grads[index]
-        call.grads[index] = grad if previous is None else previous + grad
-        if self.on_ready is not None and len(call.grads) == 1:
+        grads = call.grads
+        previous = grads[index]
+        grads[index] = grad if previous is None else previous + grad
+        if self.on_ready is not None and len(grads) == 1:
             self.on_ready(tap, call)
 
     @staticmethod

@@ -115,12 +115,7 @@ class GradEngine:
 
     def batch_stamps(self) -> set[int | None]:
         """The stamps of the calls whose outputs got gradients since the last clip."""
-        return {
-            call.stamp
-            for tap in self._taps.take()
-            for call in tap.calls
-            if call.compact is not None or any(g is not None for g in call.grads)
-        }
+        return {call.stamp for tap in self._taps.take() for call in tap.calls if _got_grad(call)}
 
     def clip_and_accumulate(
         self,
@@ -198,9 +193,9 @@ class GradEngine:
         sq = self._unit_sq_norms(calls, units)
         calls.clear()  # the engine keeps what it needs; let summed layers free their tensors
         scale = _unit_scale(base, units, sq)  # unit gradient = scale · (sum of captured grads)
-        norms = sq.clamp_min(0).sqrt() * scale
-        factors = (clip / norms).clamp_max(1.0)  # min(1, C/‖g‖); a zero norm: C/0 = ∞ → 1
-        self._accumulate(factors * (scale * sum_scale), noise)
+        norms = sq.clamp_min(0).sqrt_().mul_(scale)  # in place on the fresh clamp (not on sq)
+        factors = (clip / norms).clamp_max_(1.0)  # min(1, C/‖g‖); a zero norm: C/0 = ∞ → 1
+        self._accumulate(factors.mul_(scale * sum_scale), noise)
         self.num_examples += n
         return ClipResult(norms.detach(), n, units.count)
 
@@ -311,9 +306,7 @@ class GradEngine:
         self._check_no_writes()
         seen: list[tuple[Tap, Call]] = []
         for tap in self._taps.take():
-            live = [
-                c for c in tap.calls if c.compact is not None or any(g is not None for g in c.grads)
-            ]
+            live = [c for c in tap.calls if _got_grad(c)]
             self._check_calls(tap, live)
             for call in live:
                 if call.stale_input():
@@ -324,11 +317,18 @@ class GradEngine:
                 seen.append((tap, call))
         # A parameter's ordinary gradient is explained by a watched call that let autograd
         # compute it; any other non-zero gradient came from a use the hooks never saw.
+        changed = [
+            (name, param)
+            for name, param in self.params.items()
+            if param.grad is not None and self._grad_changed(param)
+        ]
+        if not changed:  # the fast engine's usual step: no parameter got an ordinary gradient
+            return seen
         explained = {
             id(getattr(t.module, p)) for t, c in seen if not c.skipped for p in t.trainable
         }
-        for name, param in self.params.items():
-            if id(param) in explained or not self._grad_changed(param):
+        for name, param in changed:
+            if id(param) in explained:
                 continue
             if bool(param.grad.detach().ne(0).any()):  # zero_grad(set_to_none=False) is fine
                 raise RuntimeError(
@@ -411,13 +411,12 @@ class GradEngine:
 
     def _batch_size(self, calls: list[tuple[Tap, Call]]) -> int:
         """The batch size every captured call agrees on (0 when nothing was captured)."""
-        sizes = {
-            (tap.name, call.size)
-            if call.size is not None
-            else (tap.name, call.inputs[0].shape[self.batch_dim(tap, call)])
-            for tap, call in calls
-            if call.size is not None or isinstance(call.inputs[0], Tensor)
-        }
+        sizes: set[tuple[str, int]] = set()
+        for tap, call in calls:
+            if call.size is not None:
+                sizes.add((tap.name, call.size))
+            elif isinstance(x := call.inputs[0], Tensor):
+                sizes.add((tap.name, x.shape[self.batch_dim(tap, call)]))
         values = {s for _, s in sizes}
         if len(values) > 1:
             raise ValueError(
@@ -429,7 +428,8 @@ class GradEngine:
     def _add(self, name: str, value: Tensor) -> None:
         """Add one parameter's clipped sum into the accumulator (in place once it exists)."""
         param = self.params[name]
-        value = value.reshape(param.shape).to(param.dtype)
+        if value.shape != param.shape or value.dtype != param.dtype:  # (two calls fewer if not)
+            value = value.reshape(param.shape).to(param.dtype)
         if name in self._acc:
             self._acc[name].add_(value)
         else:  # the first sum becomes the accumulator: rules return freshly computed tensors
@@ -453,6 +453,16 @@ class GradEngine:
         """Engine kind and what it watches."""
         extra = f", fallback_reason={self.fallback_reason!r}" if self.fallback_reason else ""
         return f"{type(self).__name__}(kind={self.kind!r}, params={len(self.params)}{extra})"
+
+
+def _got_grad(call: Call) -> bool:
+    """Whether backward reached the call: a gradient for one of its outputs, or compact rows."""
+    if call.compact is not None:
+        return True
+    for grad in call.grads:
+        if grad is not None:
+            return True
+    return False
 
 
 def _power_iteration_buffers(model: nn.Module) -> set[int]:

@@ -97,12 +97,12 @@ class FastEngine(GradEngine):
         try:
             while self._pending:  # release each layer's captures as soon as it is summed
                 tap, rule, call, grouped = self._pending.pop()
-                names = self._model_names(tap)
-                into = {
-                    local: slot
-                    for local, name in names.items()
-                    if (slot := self._slot(name, noise)) is not None
-                }
+                names = self._layer_names[tap.name]
+                into = {}
+                for local, name in names.items():
+                    slot = self._slot(name, noise)
+                    if slot is not None:
+                        into[local] = slot
                 if grouped is not None:
                     sums = {name: rows.weighted_sum(weights) for name, rows in grouped.items()}
                 else:

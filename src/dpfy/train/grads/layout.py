@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -38,22 +39,23 @@ class Units:
     rows ``u·width … u·width + width - 1`` and unused rows are zero examples (which contribute
     nothing to any gradient): ``slots[i]`` is example i's row there, or None when the examples
     already lie in that order and only the tail needs padding (per-example and microbatch units).
+
+    Consecutive units (:meth:`consecutive`) hold only ``examples`` and ``width``; their ``index``
+    and ``sizes`` tensors are formed when first read (the fast engine's per-example step reads
+    neither, and each is a tensor allocation per step). They are a function of those two frozen
+    fields alone, so once formed they cannot go stale.
     """
 
-    index: Tensor
-    sizes: Tensor
+    examples: int
     width: int
     slots: Tensor | None = None
+    ids: Tensor | None = dataclasses.field(default=None, repr=False)  # ``index`` of from_ids
+    counts: Tensor | None = dataclasses.field(default=None, repr=False)  # ``sizes`` of from_ids
 
     @classmethod
     def consecutive(cls, n: int, group: int) -> Units:
         """Groups of ``group`` consecutive examples; a last, smaller group keeps its own size."""
-        if group == 1:  # one example per unit: the common case, in two small tensors
-            return cls(torch.arange(n), torch.ones(n, dtype=torch.int64), 1)
-        count = -(-n // group)
-        sizes = torch.full((count,), group, dtype=torch.int64)
-        sizes[-1] = n - (count - 1) * group
-        return cls(torch.arange(n) // group, sizes, group)
+        return cls(n, group)
 
     @classmethod
     def from_ids(cls, ids: Tensor) -> Units:
@@ -68,12 +70,35 @@ class Units:
         rank[order] = torch.arange(ids.numel()) - starts[index[order]]
         slots = index * width + rank
         in_place = bool(torch.equal(slots, torch.arange(ids.numel())))
-        return cls(index, sizes, width, None if in_place else slots)
+        return cls(ids.numel(), width, None if in_place else slots, index, sizes)
+
+    @functools.cached_property
+    def index(self) -> Tensor:
+        """(n,) the unit of each example."""
+        if self.ids is not None:
+            return self.ids
+        if self.width == 1:
+            return torch.arange(self.examples)
+        return torch.arange(self.examples) // self.width
+
+    @functools.cached_property
+    def sizes(self) -> Tensor:
+        """(U,) the number of examples in each unit."""
+        if self.counts is not None:
+            return self.counts
+        if self.width == 1:
+            return torch.ones(self.examples, dtype=torch.int64)
+        count = self.count
+        sizes = torch.full((count,), self.width, dtype=torch.int64)
+        sizes[-1] = self.examples - (count - 1) * self.width
+        return sizes
 
     @property
     def count(self) -> int:
         """U, the number of clipping units."""
-        return int(self.sizes.numel())
+        if self.counts is not None:
+            return int(self.counts.numel())
+        return -(-self.examples // self.width)
 
     @property
     def rows(self) -> int:
@@ -104,12 +129,13 @@ def prepare_call(call: Call, batch_dim: int, units: Units | None = None) -> Call
 
     A new call, or ``call`` itself when it is in that layout already.
     """
+    group = 1 if units is None else units.width
+    per_example = units is None or (group == 1 and units.slots is None)
+    if not batch_dim and per_example and call.group == 1 and _all_set(call.grads):
+        return call  # already in the layout (batch first, one example per unit): the common case
     n = call.inputs[0].shape[batch_dim] if isinstance(call.inputs[0], Tensor) else None
     moved: dict[int, tuple[Tensor, Tensor]] = {}  # id → (tensor, moved): identical stay identical
-    group = 1 if units is None else units.width
-    spread = n is not None and units is not None and (group > 1 or units.slots is not None)
-    if not (batch_dim or spread or group != call.group or any(g is None for g in call.grads)):
-        return call  # already in the layout (batch first, one example per unit): the common case
+    spread = n is not None and not per_example
 
     def move(x: Tensor) -> Tensor:
         if id(x) not in moved:  # the entry keeps x alive, so its id cannot be reused meanwhile
@@ -125,6 +151,14 @@ def prepare_call(call: Call, batch_dim: int, units: Units | None = None) -> Call
         for g, (shape, dtype, device) in zip(call.grads, call.out_meta, strict=True)
     ]
     return dataclasses.replace(call, inputs=inputs, grads=grads, group=group)
+
+
+def _all_set(grads: list[Tensor | None]) -> bool:
+    """Whether every output gradient arrived (none is None)."""
+    for grad in grads:
+        if grad is None:
+            return False
+    return True
 
 
 def group_positions(x: Tensor, group: int) -> Tensor:

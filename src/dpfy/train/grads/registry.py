@@ -15,7 +15,7 @@ never dispatch on layer types with if/elif.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from torch import Tensor, nn
 
@@ -82,6 +82,13 @@ class LayerRule:
 
 _RULES: dict[type[nn.Module], type[LayerRule]] = {}
 
+#: What :func:`find_rule` answered for a layer class, beside what the answer was read from: the
+#: class's MRO and ``forward``, and the registered class in that MRO (None: none) with its
+#: ``forward`` then. The answer is a function of ``_RULES`` and of those alone, so a hit whose
+#: four are still the same objects is the answer a fresh look-up would give; ``register_rule``
+#: empties the cache, and a class whose bases or ``forward`` were reassigned misses it.
+_FOUND: dict[type, tuple[tuple[type, ...], Any, type | None, Any, type[LayerRule] | None]] = {}
+
 R = TypeVar("R", bound=type[LayerRule])
 
 
@@ -91,6 +98,7 @@ def register_rule(*layer_types: type[nn.Module]) -> Callable[[R], R]:
     def decorate(rule: R) -> R:
         for layer_type in layer_types:
             _RULES[layer_type] = rule
+        _FOUND.clear()
         return rule
 
     return decorate
@@ -100,13 +108,26 @@ def find_rule(layer: nn.Module) -> type[LayerRule] | None:
     """The rule for ``layer``: its exact class, or a subclass that keeps the parent's forward.
 
     A subclass overriding ``forward`` may compute anything, so it gets no rule (and falls back
-    to the vmap engine) rather than a silently wrong one.
+    to the vmap engine) rather than a silently wrong one. Called for every layer call of every
+    step, so the answer per class is kept (see ``_FOUND`` for why it cannot go stale).
     """
-    for cls in type(layer).__mro__:
-        rule = _RULES.get(cls)
-        if rule is not None:
-            return rule if type(layer).forward is cls.forward else None
-    return None
+    cls = type(layer)
+    hit = _FOUND.get(cls)
+    if (
+        hit is not None
+        and hit[0] is cls.__mro__
+        and hit[1] is cls.forward
+        and (hit[2] is None or hit[3] is hit[2].forward)
+    ):
+        return hit[4]
+    owner, rule = None, None
+    for base in cls.__mro__:
+        found = _RULES.get(base)
+        if found is not None:
+            owner, rule = base, (found if cls.forward is base.forward else None)
+            break
+    _FOUND[cls] = (cls.__mro__, cls.forward, owner, None if owner is None else owner.forward, rule)
+    return rule
 
 
 def registered_layers() -> tuple[type[nn.Module], ...]:

@@ -1,0 +1,254 @@
+"""From what the user asked for to the privacy plan: one small resolver per algorithm and unit.
+
+A resolver fixes everything privacy-relevant before the first step — the steps, the sampling
+record the sampler must then report, the neighbouring relation, the accountant, the noise
+mechanism and σ (calibrated on exactly the events the ledger will record). Resolvers register
+under (algorithm, clipping unit); :func:`make_plan` looks one up, so adding a mechanism means
+adding a resolver, not another branch in the builder. Torch-free: plans can be made and checked
+anywhere (the CLI's ``plan`` command, a report, a test).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dpfy._validate import check_count, check_positive
+from dpfy.plan.accounting.calibrate import smallest_noise_multiplier
+from dpfy.plan.accounting.events import DpEvent, NeighbouringRelation, SelfComposedEvent
+from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.sampling import SamplingKind, SamplingRecord, parse_order
+from dpfy.plan.tree_events import ftrl_step_events, resolve_restart
+
+__all__ = ["PlanRequest", "make_plan", "register_resolver", "resolver_keys"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for, already checked for type and range by the builder.
+
+    ``records`` and ``batch_size`` count what is sampled: examples, or users at user level
+    (``examples`` is then the number of examples they hold). ``sampler``, ``restart_every`` and
+    ``tree`` are None when the user left them to the algorithm.
+    """
+
+    records: int
+    batch_size: int
+    delta: float
+    max_grad_norm: float
+    epochs: float | None = None
+    steps: int | None = None
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    accountant: str = "pld"
+    sampler: SamplingKind | str | None = None
+    microbatch_size: int | None = None
+    loss_reduction: str = "mean"
+    seeded: bool = False
+    world_size: int = 1
+    examples: int | None = None
+    max_examples_per_user: int | None = None
+    restart_every: int | str | None = None
+    tree: str | None = None
+
+
+Resolver = Callable[[PlanRequest], PrivacyPlan]
+_RESOLVERS: dict[tuple[str, str], Resolver] = {}
+
+
+def register_resolver(algorithm: str, unit: str) -> Callable[[Resolver], Resolver]:
+    """Register the resolver of ``algorithm`` at sampling unit ``unit`` ('example' or 'user')."""
+
+    def register(resolver: Resolver) -> Resolver:
+        _RESOLVERS[(algorithm, unit)] = resolver
+        return resolver
+
+    return register
+
+
+def resolver_keys() -> tuple[tuple[str, str], ...]:
+    """Every (algorithm, unit) a plan can be made for."""
+    return tuple(_RESOLVERS)
+
+
+def make_plan(
+    request: PlanRequest, algorithm: str = "dp-sgd", unit: str = "example"
+) -> PrivacyPlan:
+    """The plan for ``request`` from the resolver of (``algorithm``, ``unit``)."""
+    key = (str(algorithm).strip().lower(), unit)
+    if key not in _RESOLVERS:
+        known = ", ".join(sorted({name for name, _ in _RESOLVERS}))
+        units = sorted(u for name, u in _RESOLVERS if name == key[0])
+        if units:
+            raise ValueError(
+                f"{key[0]} is available at the {' and '.join(units)} level, not per {unit}; "
+                f"{'drop user_ids' if unit == 'user' else 'pass user_ids'} or choose another "
+                "algorithm"
+            )
+        raise ValueError(f"algorithm must be one of {known}; got {algorithm!r}")
+    return _RESOLVERS[key](request)
+
+
+def _calibrated(
+    request: PlanRequest,
+    run_events: Callable[[float], DpEvent],
+    relation: NeighbouringRelation,
+    accountant: str,
+) -> float:
+    """σ as given, or the smallest σ whose run (``run_events(σ)``) meets the target ε."""
+    if (request.target_epsilon is None) == (request.noise_multiplier is None):
+        raise ValueError(
+            "give exactly one of target_epsilon= (σ is calibrated) or noise_multiplier="
+        )
+    if request.noise_multiplier is not None:
+        return check_positive("noise_multiplier", request.noise_multiplier)
+    return smallest_noise_multiplier(
+        run_events,
+        check_positive("target_epsilon", request.target_epsilon),
+        request.delta,
+        accountant=accountant,
+        relation=relation,
+    )
+
+
+def _steps(request: PlanRequest, per_epoch: float) -> int:
+    """Total steps from exactly one of epochs (⌈E · steps per epoch⌉) and steps."""
+    if (request.epochs is None) == (request.steps is None):
+        raise ValueError("give exactly one of epochs= or steps=")
+    if request.steps is not None:
+        return check_count("steps", request.steps, minimum=1)
+    return max(1, math.ceil(check_positive("epochs", request.epochs) * per_epoch))
+
+
+def _refuse(request: PlanRequest, what: str, **unsupported: object) -> None:
+    """One error naming every option this variant cannot honour (set away from its default)."""
+    given = [name for name, value in unsupported.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} not supported with {what}; leave "
+            f"{'them' if len(given) > 1 else 'it'} at the default"
+        )
+
+
+def _plan(
+    request: PlanRequest,
+    record: SamplingRecord,
+    steps: int,
+    sigma: float,
+    relation: NeighbouringRelation,
+    accountant: str,
+    **variant: object,
+) -> PrivacyPlan:
+    """The plan's common fields from the request and the resolved sampling, steps and σ."""
+    return PrivacyPlan(
+        dataset_size=request.records,
+        expected_batch_size=request.batch_size,
+        sampling_rate=record.sampling_rate,
+        steps=steps,
+        noise_multiplier=sigma,
+        max_grad_norm=request.max_grad_norm,
+        delta=request.delta,
+        target_epsilon=request.target_epsilon,
+        accountant=accountant,
+        sampler=record.kind.value,
+        microbatch_size=request.microbatch_size,
+        loss_reduction=request.loss_reduction,
+        seeded=request.seeded,
+        world_size=request.world_size,
+        relation=relation.value,
+        **variant,  # type: ignore[arg-type]
+    )
+
+
+@register_resolver("dp-sgd", "example")
+def _dp_sgd(request: PlanRequest) -> PrivacyPlan:
+    """DP-SGD (guide alg. 1): Poisson unless another sampler is chosen (fixed-size: replace-one)."""
+    _refuse(request, "DP-SGD", restart_every=request.restart_every, tree=request.tree)
+    kind = SamplingKind.parse(SamplingKind.POISSON if request.sampler is None else request.sampler)
+    if kind not in (SamplingKind.POISSON, SamplingKind.SHUFFLE, SamplingKind.FIXED_SIZE):
+        raise ValueError(
+            f"DP-SGD samples by 'poisson', 'shuffle' or 'fixed-size', got {kind.value!r} (the "
+            "tree orders belong to algorithm='dp-ftrl')"
+        )
+    if request.microbatch_size is not None:
+        check_count("microbatch_size", request.microbatch_size, minimum=1)
+    relation, accountant = NeighbouringRelation.ADD_OR_REMOVE, request.accountant
+    if kind is SamplingKind.FIXED_SIZE:  # its sound bounds hold under replace-one only
+        relation, accountant = NeighbouringRelation.REPLACE_ONE, "rdp"
+    record = SamplingRecord(
+        kind,
+        request.batch_size / request.records,
+        request.records,
+        None if kind is SamplingKind.POISSON else request.batch_size,
+    )
+    steps = _steps(request, request.records / request.batch_size)
+    sigma = _calibrated(
+        request, lambda s: SelfComposedEvent(record.event(s), steps), relation, accountant
+    )
+    return _plan(request, record, steps, sigma, relation, accountant)
+
+
+@register_resolver("dp-sgd", "user")
+def _user_dp_sgd(request: PlanRequest) -> PrivacyPlan:
+    """User-level DP-SGD (McMahan et al. 2018): Poisson-sampled users, each user's mean clipped."""
+    poisson = request.sampler is None or SamplingKind.parse(request.sampler) is SamplingKind.POISSON
+    _refuse(
+        request,
+        "user_ids (user-level DP-SGD samples users by Poisson and clips per user)",
+        microbatch_size=request.microbatch_size,
+        sampler=None if poisson else request.sampler,
+        restart_every=request.restart_every,
+        tree=request.tree,
+    )
+    relation = NeighbouringRelation.ADD_OR_REMOVE
+    record = SamplingRecord(
+        SamplingKind.POISSON, request.batch_size / request.records, request.records, unit="user"
+    )
+    steps = _steps(request, request.records / request.batch_size)
+    sigma = _calibrated(
+        request, lambda s: SelfComposedEvent(record.event(s), steps), relation, request.accountant
+    )
+    return _plan(
+        request,
+        record,
+        steps,
+        sigma,
+        relation,
+        request.accountant,
+        unit="user",
+        examples=request.examples,
+        max_examples_per_user=request.max_examples_per_user,
+    )
+
+
+@register_resolver("dp-ftrl", "example")
+def _dp_ftrl(request: PlanRequest) -> PrivacyPlan:
+    """DP-FTRL (Kairouz et al. 2021): batches in order, tree-aggregated noise, zero-out relation."""
+    kind = parse_order(request.sampler)
+    per_epoch = request.records // request.batch_size
+    k = resolve_restart(request.restart_every, per_epoch)
+    tree = "efficient" if request.tree is None else str(request.tree)
+    relation = NeighbouringRelation.ZERO_OUT  # the stream's order is kept (App. D)
+    record = SamplingRecord(
+        kind, request.batch_size / request.records, request.records, request.batch_size
+    )
+    steps = _steps(request, per_epoch)
+    sigma = _calibrated(
+        request,
+        lambda s: ftrl_step_events(s, steps, per_epoch, k),
+        relation,
+        request.accountant,
+    )
+    return _plan(
+        request,
+        record,
+        steps,
+        sigma,
+        relation,
+        request.accountant,
+        algorithm="dp-ftrl",
+        mechanism="tree-aggregation",
+        restart_every=k,
+        tree=tree,
+    )

@@ -1,0 +1,280 @@
+"""``make_private``: one call turns a model, optimizer and dataset into a private training run.
+
+One builder for every variant: the request becomes a :class:`~dpfy.plan.privacy_plan.PrivacyPlan`
+through the resolver of its (algorithm, unit) (:mod:`dpfy.plan.resolvers`), the variant's loader
+draws the records the plan describes (:mod:`dpfy.train.variants`), and the same private step
+(:class:`~dpfy.train.optim.DPOptimizer`) with the plan's noise mechanism trains every one of
+them. It checks the model first (guide §5.5.1) and returns one :class:`PrivateTraining`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dpfy._validate import check_delta, check_positive
+from dpfy.data.loader import DPDataLoader, checked_loader_options
+from dpfy.plan.resolvers import PlanRequest, make_plan
+from dpfy.plan.sampling import SamplingKind
+from dpfy.train.checks import check_model
+from dpfy.train.distributed import (
+    ProcessGroupReplicas,
+    SingleProcess,
+    current_replicas,
+    replicas_for,
+    trainable_shapes,
+)
+from dpfy.train.grads import EngineChoice, LossReduction, make_engine
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
+from dpfy.train.optim import BatchBoundary, DPOptimizer
+from dpfy.train.session import PrivateTraining
+from dpfy.train.variants import LoaderInputs, Variant, variant_for
+from dpfy.train.virtual import VirtualBatchLoader
+
+__all__ = [
+    "check_common",
+    "make_private",
+    "noise_source",
+    "seeded_generator",
+    "warn_if_delta_too_large",
+]
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_dataset: Dataset,
+    *,
+    batch_size: int,
+    delta: float,
+    max_grad_norm: float,
+    epochs: float | None = None,
+    steps: int | None = None,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    loss_reduction: LossReduction = "mean",
+    engine: EngineChoice = "auto",
+    accountant: str = "pld",
+    sampler: SamplingKind | str | None = None,
+    microbatch_size: int | None = None,
+    max_physical_batch_size: int | None = None,
+    secure_noise: bool = False,
+    seed: int | None = None,
+    batch_first: bool = True,
+    loader_options: dict[str, Any] | None = None,
+    distributed: bool | None = None,
+    user_ids: torch.Tensor | None = None,
+    max_examples_per_user: int | None = None,
+    algorithm: str = "dp-sgd",
+    restart_every: int | str | None = None,
+    tree: str | None = None,
+) -> PrivateTraining:
+    """Make ``model`` + ``optimizer`` train privately on ``train_dataset`` (guide alg. 1).
+
+    ``batch_size`` is the *expected* batch size B (q = B/N from the dataset size). Give exactly
+    one of ``epochs``/``steps`` and exactly one of ``target_epsilon`` (σ is calibrated and the
+    budget guard stops the run there) / ``noise_multiplier``. ``sampler`` is Poisson unless you
+    explicitly choose "shuffle" (accounted under the Poisson assumption, flagged as not met) or
+    "fixed-size" (replace-one adjacency, RDP accounting). ``seed`` makes sampling and noise
+    reproducible; leave it None in production (OS-seeded). ``secure_noise`` draws noise and
+    sampling from the OS CSPRNG (slower; no seed then). ``distributed`` (None: automatic when a
+    process group of more than one rank is initialised) trains across ranks with one guarantee
+    and one ledger: every rank passes the same whole dataset and settings.
+    ``loader_options`` go to the private loader's ``DataLoader`` (``num_workers``,
+    ``pin_memory``, ``collate_fn``, …; the batches stay the sampler's).
+
+    ``user_ids`` (one user id per example, users 0..U-1) trains user-level DP-SGD (McMahan et
+    al. 2018): each step samples users by Poisson at q = B/U, clips each sampled user's mean
+    gradient to C, and ``batch_size``, ``epochs``, ε and δ count users;
+    ``max_examples_per_user`` caps how many of a sampled user's examples one step uses.
+
+    ``algorithm="dp-ftrl"`` trains with DP-FTRL (Kairouz et al. 2021): fixed batches of B in
+    ``sampler`` "shuffle" (default) or "fixed-order" order with no sampling assumption, noise
+    aggregated over a tree restarted every ``restart_every`` steps ("epoch", the default, or a
+    divisor of N // B) with the ``tree`` estimator ("efficient", Honaker 2015, or "plain").
+    """
+    unit = "user" if user_ids is not None else "example"
+    if user_ids is None and max_examples_per_user is not None:
+        raise ValueError("max_examples_per_user needs user_ids (one user id per example)")
+    variant = variant_for(algorithm, unit)
+    replicas = _replicas(variant, algorithm, unit, distributed, model)
+    if max_physical_batch_size is not None and not variant.virtual_batches:
+        raise ValueError(
+            f"max_physical_batch_size not supported with {algorithm} per {unit}: a user's "
+            "examples are one clipping unit; leave it at the default"
+        )
+    delta, max_grad_norm = check_common(model, optimizer, delta, max_grad_norm)
+    records = variant.count(train_dataset, user_ids, batch_size)
+    warn_if_delta_too_large(delta, records.count, unit)
+    plan = make_plan(
+        PlanRequest(
+            records=records.count,
+            batch_size=batch_size,
+            delta=delta,
+            max_grad_norm=max_grad_norm,
+            epochs=epochs,
+            steps=steps,
+            target_epsilon=target_epsilon,
+            noise_multiplier=noise_multiplier,
+            accountant=accountant,
+            sampler=sampler,
+            microbatch_size=microbatch_size,
+            loss_reduction=loss_reduction,
+            seeded=seed is not None,
+            world_size=replicas.world_size,
+            examples=records.examples if unit == "user" else None,
+            max_examples_per_user=max_examples_per_user,
+            restart_every=restart_every,
+            tree=tree,
+        ),
+        algorithm,
+        unit,
+    )
+    generator = seeded_generator(
+        None if seed is None else replicas.sampling_seed(seed), secure_noise
+    )
+    loader = variant.loader(
+        plan,
+        LoaderInputs(
+            train_dataset,
+            records,
+            generator,
+            secure_noise,
+            replicas,
+            max_examples_per_user,
+            checked_loader_options(loader_options),
+        ),
+    )
+    ledger = PrivacyLedger(
+        delta, accountant=plan.accountant, target_epsilon=target_epsilon, relation=plan.relation
+    )
+    grad_engine = make_engine(model, engine, batch_first=batch_first)
+    noise = noise_source(secure_noise, None if seed is None else replicas.noise_seed(seed))
+    boundary = BatchBoundary()
+    try:  # a refused optimizer or disagreeing ranks leave the model without hooks
+        private_optimizer = DPOptimizer(
+            optimizer,
+            grad_engine,
+            ledger,
+            loader.sampling_record,
+            plan,
+            provenance=loader.provenance,
+            noise=noise,
+            boundary=boundary,
+            aggregator=replicas.aggregator(),
+        )
+        replicas.check_agreement({**asdict(plan), "parameters": trainable_shapes(model)})
+        replicas.broadcast_model(model)
+    except Exception:
+        grad_engine.detach()
+        raise
+    run_loader = with_virtual_batches(loader, max_physical_batch_size, boundary)
+    return PrivateTraining(
+        model, private_optimizer, run_loader, ledger, grad_engine, plan, noise, replicas
+    )
+
+
+def _replicas(
+    variant: Variant, algorithm: str, unit: str, distributed: bool | None, model: nn.Module
+) -> SingleProcess | ProcessGroupReplicas:
+    """The ranks the run spans; a one-process variant refuses to run silently on every rank.
+
+    Each rank would train its own private model on the whole dataset, W releases no single
+    ledger accounts. ``distributed=False`` says the user wants exactly that, rank by rank.
+    """
+    if variant.distributed:
+        return replicas_for(distributed, model)
+    if distributed is not False and (
+        distributed or isinstance(current_replicas(), ProcessGroupReplicas)
+    ):
+        route = f"{algorithm} per {unit}" if unit == "user" else f"algorithm={algorithm!r}"
+        raise ValueError(
+            f"{route} runs in one process only, but a torch.distributed process group of more "
+            "than one rank is running (or distributed=True was passed): every rank would train "
+            "its own private model. Run it in a single process, or pass distributed=False if "
+            "each rank should train (and account) its own run independently"
+        )
+    return SingleProcess()
+
+
+def check_common(
+    model: nn.Module, optimizer: torch.optim.Optimizer, delta: float, max_grad_norm: float
+) -> tuple[float, float]:
+    """Refuse what no private run can use: batch-coupled layers, a bad δ or C, a stray optimizer.
+
+    Returns δ and C, checked.
+    """
+    check_model(model)
+    delta = check_delta(delta)
+    max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    _check_optimizer_params(model, optimizer)
+    return delta, max_grad_norm
+
+
+def warn_if_delta_too_large(delta: float, records: int, record: str = "example") -> None:
+    """δ must be ≪ 1/N: publishing one random record outright satisfies δ = 1/N (guide §2.1)."""
+    if delta >= 1 / records:
+        n = "N" if record == "example" else f"N_{record}s"
+        warnings.warn(
+            f"δ = {delta:g} is not below 1/{n} = {1 / records:g}: a mechanism that publishes one "
+            f"random {record}'s data outright would satisfy it (guide §2.1); choose δ ≪ 1/{n}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def seeded_generator(seed: int | None, secure: bool = False) -> torch.Generator | None:
+    """The sampling generator: OS-seeded in production, seeded only for experiments.
+
+    None with ``secure``: sampling then draws from the OS CSPRNG like the noise, since an
+    adversary who can predict the batches defeats the amplification the accounting counts on.
+    """
+    if secure:
+        if seed is not None:
+            raise ValueError(
+                "secure_noise=True draws sampling and noise from the OS CSPRNG, which no seed can "
+                "replay; pass seed=None with secure_noise=True, or secure_noise=False to seed"
+            )
+        return None
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def noise_source(secure: bool, seed: int | None) -> NoiseSource:
+    """The OS CSPRNG when asked, else a torch generator (OS-seeded unless ``seed`` is given)."""
+    return SecureNoise() if secure else TorchNoise(seed=seed)
+
+
+def with_virtual_batches(
+    loader: DPDataLoader, max_physical_batch_size: int | None, boundary: BatchBoundary
+) -> DPDataLoader | VirtualBatchLoader:
+    """The loader, or chunks of at most ``max_physical_batch_size`` of each logical batch."""
+    if max_physical_batch_size is None:
+        return loader
+    return VirtualBatchLoader(loader, max_physical_batch_size, boundary)
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must update this model's parameters (not a copy's, e.g. after fix())."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    owned = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in owned:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not in the model (was the optimizer "
+                    "built before `model = dpfy.fix(model)`?); build it from model.parameters()"
+                )

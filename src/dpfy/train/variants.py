@@ -1,0 +1,161 @@
+"""What each (algorithm, sampling unit) needs from torch: its records, its loader, its reach.
+
+The plan side of a variant is its resolver (:mod:`dpfy.plan.resolvers`); the training side is
+registered here under the same key: how the sampled records are counted, which loader draws
+them, and whether it runs across ranks. The builder (:mod:`dpfy.train.builder`) looks both up;
+nothing downstream branches on the variant's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from dpfy._validate import check_count
+from dpfy.data.loader import DPDataLoader, dataset_size_of
+from dpfy.data.ordered_sampling import OrderedSampler
+from dpfy.data.sampling import check_batch_size
+from dpfy.data.user_sampling import UserDataLoader, check_user_ids, user_sampling_rate
+from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.sampling import SamplingKind
+from dpfy.train.distributed import ProcessGroupReplicas, SingleProcess
+
+__all__ = ["LoaderInputs", "Records", "Variant", "variant_for"]
+
+
+@dataclass(frozen=True)
+class Records:
+    """What is sampled: N records (examples or users) and, for users, whose example is whose."""
+
+    count: int
+    examples: int
+    user_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LoaderInputs:
+    """Everything a variant's loader is built from besides the plan."""
+
+    dataset: Dataset
+    records: Records
+    generator: torch.Generator | None
+    secure: bool
+    replicas: SingleProcess | ProcessGroupReplicas
+    max_examples_per_user: int | None
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The training side of one (algorithm, unit): records, loader, and whether it spans ranks."""
+
+    unit: str
+    count: Callable[[Dataset, torch.Tensor | None, int], Records]
+    loader: Callable[[PrivacyPlan, LoaderInputs], DPDataLoader]
+    distributed: bool = False  # False: one process only (refused under a process group)
+    virtual_batches: bool = True
+
+
+def _examples(dataset: Dataset, user_ids: torch.Tensor | None, batch_size: int) -> Records:
+    """N examples; B must lie in [1, N]."""
+    size = dataset_size_of(dataset)
+    check_batch_size(size, batch_size)
+    return Records(size, size)
+
+
+def _users(dataset: Dataset, user_ids: torch.Tensor | None, batch_size: int) -> Records:
+    """N users from one user id per example; B (users per step) must lie in [1, N_users]."""
+    ids = check_user_ids(user_ids, dataset_size_of(dataset))
+    count = int(ids.max()) + 1
+    user_sampling_rate(count, batch_size)
+    return Records(count, int(ids.numel()), ids)
+
+
+def _sampled_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
+    """DP-SGD's loader: Poisson, shuffled or fixed-size batches (each rank's shard if several)."""
+    kind = SamplingKind.parse(plan.sampler)
+    sampler = inputs.replicas.sampler(
+        kind,
+        plan.dataset_size,
+        plan.expected_batch_size,
+        plan.steps,
+        inputs.generator,
+        secure=inputs.secure,
+    )
+    return DPDataLoader(
+        inputs.dataset,
+        plan.expected_batch_size,
+        steps=plan.steps,
+        sampler=sampler,
+        generator=inputs.generator,
+        secure=inputs.secure,
+        microbatch_size=plan.microbatch_size,
+        **inputs.options,
+    )
+
+
+def _user_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
+    """User-level DP-SGD's loader: Poisson-sampled users, each bringing (a cap of) their data."""
+    assert inputs.records.user_ids is not None  # counted by _users
+    cap = inputs.max_examples_per_user
+    return UserDataLoader(
+        inputs.dataset,
+        inputs.records.user_ids,
+        plan.expected_batch_size,
+        steps=plan.steps,
+        max_examples_per_user=None
+        if cap is None
+        else check_count("max_examples_per_user", cap, minimum=1),
+        generator=inputs.generator,
+        secure=inputs.secure,
+        **inputs.options,
+    )
+
+
+def _ordered_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
+    """DP-FTRL's loader: each epoch's batches in shuffled or fixed order, no sampling assumed."""
+    order = OrderedSampler(
+        plan.dataset_size,
+        plan.expected_batch_size,
+        plan.steps,
+        inputs.generator,
+        shuffle=SamplingKind.parse(plan.sampler) is SamplingKind.TREE_SHUFFLE,
+        secure=inputs.secure,
+    )
+    return DPDataLoader(
+        inputs.dataset,
+        plan.expected_batch_size,
+        steps=plan.steps,
+        sampler=order,
+        generator=inputs.generator,
+        secure=inputs.secure,
+        microbatch_size=plan.microbatch_size,
+        **inputs.options,
+    )
+
+
+_VARIANTS: dict[tuple[str, str], Variant] = {
+    ("dp-sgd", "example"): Variant("example", _examples, _sampled_loader, distributed=True),
+    ("dp-sgd", "user"): Variant("user", _users, _user_loader, virtual_batches=False),
+    ("dp-ftrl", "example"): Variant("example", _examples, _ordered_loader),
+}
+
+
+def variant_for(algorithm: str, unit: str) -> Variant:
+    """The training side of (``algorithm``, ``unit``); its plan side must exist too."""
+    key = (str(algorithm).strip().lower(), unit)
+    if key not in _VARIANTS:
+        known = ", ".join(sorted({name for name, _ in _VARIANTS}))
+        units = sorted(u for name, u in _VARIANTS if name == key[0])
+        if units:
+            raise ValueError(
+                f"{key[0]} trains at the {' and '.join(units)} level, not per {unit}: "
+                f"{'drop user_ids' if unit == 'user' else 'pass user_ids'} or choose another "
+                "algorithm"
+            )
+        raise ValueError(f"algorithm must be one of {known}; got {algorithm!r}")
+    return _VARIANTS[key]
