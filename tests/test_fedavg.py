@@ -145,7 +145,8 @@ def test_one_round_reproduces_guide_algorithm_2():
             expected[n] += delta[n] * min(1.0, clip / norm)
     assert max(norms) > clip  # the clipping was exercised
     assert result.update_norms == pytest.approx(norms, rel=1e-5)
-    assert noise.stds == [pytest.approx(sigma * clip)] * len(expected)
+    # noise σC on the sum, drawn at the divisor's scale: σC/B_c on the sum ÷ B_c
+    assert noise.stds == [pytest.approx(sigma * clip / bc)] * len(expected)
     for name, param in theta.named_parameters():
         noisy_mean = (expected[name] + sigma * clip * PatternNoise.pattern(param)) / bc
         assert torch.allclose(

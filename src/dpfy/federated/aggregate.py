@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dpfy._validate import check_positive
+from dpfy.train.noise.mechanisms import GaussianMechanism
 from dpfy.train.noise.source import NoiseSource
 
 __all__ = [
@@ -109,12 +110,16 @@ class ClippedSum:
     def noisy_mean(
         self, noise: NoiseSource, noise_multiplier: float, expected_users: float
     ) -> dict[str, torch.Tensor]:
-        """(Σ clipped Δ + N(0, σ²C²)) / B_c, with B_c the expected user count (DESIGN rule 1)."""
+        """(Σ clipped Δ + N(0, σ²C²)) / B_c, with B_c the expected user count (DESIGN rule 1).
+
+        The noise stage is DP-SGD's (:class:`~dpfy.train.noise.mechanisms.GaussianMechanism`),
+        at the divisor's scale like the private step's: std σC/B_c on the sum ÷ B_c.
+        """
         std = check_positive("noise_multiplier", noise_multiplier) * self.clip_norm
         divisor = check_positive("expected_users", expected_users)
-        return {
-            name: (total + noise.normal(total, std)) / divisor for name, total in self.total.items()
-        }
+        mean = {name: total / divisor for name, total in self.total.items()}
+        GaussianMechanism(frozenset(mean), noise, std / divisor).add_to(mean)
+        return mean
 
 
 # -- the server update: post-processing with any torch optimizer ----------------------------------
