@@ -66,10 +66,12 @@ def test_heterogeneous_runs_calibrate_through_the_event_factory():
     target=st.floats(0.5, 8.0),
 )
 def test_max_steps_is_the_last_step_that_fits(q, sigma, target):
-    steps = max_steps(target, 1e-5, q, sigma, limit=10**7)
+    limit = 10**7
+    steps = max_steps(target, 1e-5, q, sigma, limit=limit)
     if steps:
         assert epsilon_of("pld", q, sigma, steps, 1e-5) <= target
-    assert epsilon_of("pld", q, sigma, steps + 1, 1e-5) > target
+    if steps < limit:  # at the limit the search stops there: more steps may still fit
+        assert epsilon_of("pld", q, sigma, steps + 1, 1e-5) > target
 
 
 def test_max_steps_is_zero_when_even_one_step_is_too_many():
