@@ -285,7 +285,7 @@ def _draw_truncated_negative_binomial(mean: float, shape: float, generator: obje
 @functools.lru_cache(maxsize=64)
 def _gamma(mean: float, shape: float) -> float:
     """γ of the truncated negative binomial with this mean (solved once, then cached)."""
-    from dpfy.plan.accounting.rdp import _log_inverse_gamma
+    from dpfy.plan.accounting.rdp_repeat_and_select import _log_inverse_gamma
 
     return math.exp(-_log_inverse_gamma(mean, shape))  # it returns t = log(1/γ)
 

@@ -34,9 +34,6 @@ from dpfy.plan.accounting.events import DpEvent, NeighbouringRelation
 from dpfy.plan.accounting.rdp_composition import _curve, check_orders, rdp_unsupported_reason
 from dpfy.plan.accounting.rdp_conversion import RdpEpsilon, delta_from_rdp, epsilon_from_rdp
 
-# dpfy.tune.cost imports it from here; it lives with the repeat-and-select rule.
-from dpfy.plan.accounting.rdp_repeat_and_select import _log_inverse_gamma  # noqa: F401
-
 __all__ = ["GridEdgeWarning", "RdpAccountant"]
 
 
