@@ -15,8 +15,8 @@ OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad")
 #: (user-level DP-SGD on :func:`dpfy.data.users.split_users`; batch_size then counts users).
 UNIT_NAMES = ("example", "user")
 
-#: Training algorithms ``dpfy train`` offers: DP-SGD (Poisson sampling) or DP-FTRL (dpfy.train.ftrl:
-#: shuffled batches, tree-aggregation noise, no sampling assumption; needs --optimizer sgd).
+#: Training algorithms ``dpfy train`` offers: DP-SGD (Poisson sampling) or DP-FTRL (shuffled
+#: batches, tree-aggregation noise, no sampling assumption; example level only).
 ALGORITHM_NAMES = ("dp-sgd", "dp-ftrl")
 
 #: Upper bound on --epochs (and tuning's --trial-epochs): generous, as DP runs take tens to

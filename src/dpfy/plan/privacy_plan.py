@@ -38,7 +38,7 @@ class PrivacyPlan:
     unit: str = "example"
     examples: int | None = None
     max_examples_per_user: int | None = None
-    #: The training algorithm: "dp-sgd", "dp-ftrl" (tree-aggregated noise, dpfy.train.ftrl) or
+    #: The training algorithm: "dp-sgd", "dp-ftrl" (tree-aggregated noise) or
     #: "dp-fedavg" / "dp-fedsgd" (each sampled user's model change after local training is what
     #: is clipped, dpfy.federated; guide alg. 2).
     algorithm: str = "dp-sgd"

@@ -31,7 +31,7 @@ class SamplingKind(enum.Enum):
     POISSON = "poisson"
     SHUFFLE = "shuffle"
     FIXED_SIZE = "fixed-size"
-    TREE_SHUFFLE = "tree-shuffle"  # DP-FTRL (dpfy.train.ftrl): no sampling assumption
+    TREE_SHUFFLE = "tree-shuffle"  # DP-FTRL: no sampling assumption
     TREE_FIXED_ORDER = "tree-fixed-order"
 
     @property
