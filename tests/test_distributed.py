@@ -36,7 +36,8 @@ from dpfy.train.distributed import (
     derive_seed,
     replicas_for,
 )
-from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.step_record import StepRecord
 from dpfy.train.optim import NonFiniteGradientError
 
 WORLD = 2

@@ -79,8 +79,8 @@ def test_accounting_is_the_dpsgd_event_at_q_equal_bc_over_users(accountant):
         dpsgd_event(q, sigma, rounds)
     )
     assert book.epsilon() == pytest.approx(core.epsilon(DELTA), rel=1e-9)
-    assert book.summary()["sampling"][0]["sampling_rate"] == pytest.approx(q)
-    assert book.summary()["sampling"][0]["dataset_size"] == users
+    assert book.summary().sampling[0].sampling.sampling_rate == pytest.approx(q)
+    assert book.summary().sampling[0].sampling.dataset_size == users
     oracle_event = dpa.SelfComposedDpEvent(
         dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), rounds
     )
@@ -91,7 +91,7 @@ def test_accounting_is_the_dpsgd_event_at_q_equal_bc_over_users(accountant):
     oracle.compose(oracle_event)
     tolerance = 1e-3 if accountant == "pld" else 0.02  # RDP: the two order grids differ
     assert book.epsilon() == pytest.approx(oracle.get_epsilon(DELTA), rel=tolerance)
-    assert book.summary()["sampling"][0]["unit"] == "user"
+    assert book.summary().sampling[0].sampling.unit == "user"
 
 
 def test_calibrated_sigma_meets_the_user_level_target():

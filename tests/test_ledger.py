@@ -26,7 +26,8 @@ from dpfy.plan.accounting.events import (
     SelfComposedEvent,
 )
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
-from dpfy.train.ledger import BudgetExhausted, PrivacyLedger, StepRecord
+from dpfy.train.ledger import BudgetExhausted, PrivacyLedger
+from dpfy.train.step_record import StepRecord
 
 
 @register_accountant
@@ -113,9 +114,9 @@ def test_steps_are_run_length_grouped_and_realised_sizes_do_not_split_groups():
     for _ in range(3):
         ledger.record(step(1.0))
     summary = ledger.summary()
-    assert (ledger.steps, summary["groups"]) == (18, 3)
-    assert summary["noise_multipliers"] == [1.0, 2.0]
-    assert summary["examples_seen"] == sum(range(90, 100))
+    assert (ledger.steps, summary.groups) == (18, 3)
+    assert summary.noise_multipliers == (1.0, 2.0)
+    assert summary.examples_seen == sum(range(90, 100))
     e1, e2 = POISSON.event(1.0), POISSON.event(2.0)
     assert ledger.events() == ComposedEvent(
         (SelfComposedEvent(e1, 10), SelfComposedEvent(e2, 5), SelfComposedEvent(e1, 3))
@@ -127,7 +128,7 @@ def test_a_million_steps_stay_one_entry():
     s = step()
     for _ in range(100_000):
         ledger.record(s)
-    assert ledger.summary()["groups"] == 1
+    assert ledger.summary().groups == 1
     assert len(json.dumps(ledger.state_dict())) < 1000
 
 
@@ -251,7 +252,7 @@ def test_tuning_is_reported_separately_and_counts_towards_the_total():
     assert eps["training"] == pytest.approx(0.1)
     assert eps["tuning"] == pytest.approx(0.75)
     assert eps["total"] == pytest.approx(0.85) == ledger.epsilon()
-    assert ledger.summary()["labelled_events"] == {"tuning": 3}
+    assert ledger.summary().labelled_events == {"tuning": 3}
     assert ledger.steps == 10
 
 
@@ -330,21 +331,20 @@ def test_shuffled_steps_are_accounted_as_poisson_and_flagged():
     assert not ledger.assumptions_met
     assert ledger.epsilon() == ledger.epsilon_under_poisson_assumption() == pytest.approx(0.02)
     summary = ledger.summary()
-    assert summary["assumptions_met"] is False
-    assert summary["sampling"][0]["assumption_met"] is False
-    assert summary["sampling"][0]["kind"] == "shuffle"
-    assert summary["epsilon_under_poisson_assumption"] == pytest.approx(0.02)
-    assert toy().summary()["assumptions_met"] is True
+    assert summary.assumptions_met is False
+    assert summary.sampling[0].sampling.assumption_met is False
+    assert summary.sampling[0].sampling.kind is SamplingKind.SHUFFLE
+    assert summary.epsilon_under_poisson_assumption == pytest.approx(0.02)
+    assert toy().summary().assumptions_met is True
 
 
 def test_summary_names_the_setting():
     ledger = PrivacyLedger(1e-6, accountant="toy", target_epsilon=2.0)
     ledger.record(step())
     summary = ledger.summary()
-    assert summary["accountant"] == "toy" and summary["relation"] == "add-or-remove"
-    assert summary["delta"] == 1e-6 and summary["target_epsilon"] == 2.0
-    assert summary["steps"] == 1 and "epsilon_under_poisson_assumption" not in summary
-    json.dumps(summary)
+    assert summary.accountant == "toy" and summary.relation == "add-or-remove"
+    assert summary.delta == 1e-6 and summary.target_epsilon == 2.0
+    assert summary.steps == 1 and summary.epsilon_under_poisson_assumption is None
 
 
 # -- checkpoints --------------------------------------------------------------------------------

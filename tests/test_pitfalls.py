@@ -23,7 +23,8 @@ from dpfy.report.facts import (
 )
 from dpfy.report.pitfalls import DETECTORS, Finding, Severity, detector, find_pitfalls
 from dpfy.train.checks import find_sparse_gradient_layers
-from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.step_record import StepRecord
 
 N, B, SIGMA, C, DELTA, STEPS = 10_000, 100, 1.0, 1.0, 1e-6, 50
 

@@ -25,7 +25,8 @@ from dpfy.report.facts import (
     model_facts,
 )
 from dpfy.report.plots import CURVE_POINTS, epsilon_curve, plot_epsilon_curve, plot_training_curves
-from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.step_record import StepRecord
 
 N, B, DELTA = 5_000, 50, 1e-5
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

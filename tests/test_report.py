@@ -401,7 +401,7 @@ def test_report_renders_from_saved_facts_without_torch(poisson, tmp_path):
 
 def test_recorded_norms_are_the_engine_norms_and_the_engine_is_restored():
     run, norms = private_run()
-    assert norms.size == run.ledger.summary()["examples_seen"]
+    assert norms.size == run.ledger.summary().examples_seen
     assert "clip_and_accumulate" not in vars(run.engine)  # the wrapper is gone after the block
     assert np.all(norms >= 0)
 

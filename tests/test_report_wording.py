@@ -26,7 +26,8 @@ from dpfy.report.wording import (
     VARIANT_WORDING,
     wording_for,
 )
-from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.step_record import StepRecord
 
 N, B, DELTA = 1_000, 50, 1e-5
 

@@ -26,7 +26,8 @@ from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.report.facts import collect_facts
 from dpfy.report.render import build_report
 from dpfy.train.grads import make_engine
-from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.step_record import StepRecord
 
 # -- the engine's grouped clipping against a batch-of-one-user reference --------------------------
 
@@ -287,8 +288,8 @@ def test_ledger_accounts_poisson_sampled_users_at_b_users_over_n_users():
     q = 8 / 40
     events = private.ledger.events().events
     assert events == (SelfComposedEvent(PoissonSampledEvent(q, GaussianEvent(sigma)), steps),)
-    [sampling] = private.ledger.summary()["sampling"]
-    assert sampling["unit"] == "user" and sampling["dataset_size"] == 40
+    [sampled] = private.ledger.summary().sampling
+    assert sampled.sampling.unit == "user" and sampled.sampling.dataset_size == 40
     expected = PldAccountant().compose(dpsgd_event(q, sigma, steps)).epsilon(1e-5)
     assert private.epsilon() == pytest.approx(expected, rel=1e-6)
     assert private.plan.unit == "user" and private.plan.dataset_size == 40

@@ -283,7 +283,7 @@ def train(
         int | None, typer.Option(help="Cap on a sampled user's examples per step (--unit user).")
     ] = _TRAIN.max_examples_per_user,
     algorithm: Annotated[
-        str, typer.Option(help="dp-sgd, or dp-ftrl (no sampling assumption; --optimizer sgd).")
+        str, typer.Option(help="dp-sgd, or dp-ftrl (no sampling assumption).")
     ] = _TRAIN.algorithm,
 ) -> None:
     """Train with DP-SGD on a bundled real dataset and write the privacy report card."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from dpfy._validate import check_delta
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.report.json_codec import build, list_as_tuple, tuple_of
+from dpfy.train.ledger_summary import LedgerSummary, SampledSteps
 
 if TYPE_CHECKING:
     from dpfy.plan.privacy_plan import PrivacyPlan
@@ -25,78 +26,25 @@ if TYPE_CHECKING:
 STANDARD_DELTAS = (1e-5, 1e-6, 1e-8)
 
 
-@dataclass(frozen=True)
-class SampledSteps:
-    """Training steps the ledger accounted with one sampling record (its prose is derived)."""
+def _sampled_steps_from_dict(data: Any, where: str) -> SampledSteps:
+    """Inverse of ``dataclasses.asdict`` for one sampling record's steps; errors name where."""
 
-    sampling: SamplingRecord
-    steps: int
+    def record(value: Any) -> SamplingRecord:
+        try:
+            return SamplingRecord.from_dict(value)
+        except ValueError as err:
+            raise ValueError(f"{where}.sampling: {err}") from None
 
-    @property
-    def description(self) -> str:
-        """The record's report sentence."""
-        return self.sampling.description
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str) -> SampledSteps:
-        """Inverse of ``dataclasses.asdict``; a bad record names where it is."""
-
-        def record(value: Any) -> SamplingRecord:
-            try:
-                return SamplingRecord.from_dict(value)
-            except ValueError as err:
-                raise ValueError(f"{where}.sampling: {err}") from None
-
-        return build(cls, data, {"sampling": record}, where)
+    return build(SampledSteps, data, {"sampling": record}, where)
 
 
-@dataclass(frozen=True)
-class LedgerSummary:
-    """What the report reads of the ledger: settings, sampling, whether it held, ε per label."""
-
-    accountant: str
-    relation: str
-    delta: float
-    target_epsilon: float | None
-    steps: int
-    sampling: tuple[SampledSteps, ...]
-    assumptions_met: bool
-    epsilon: dict[str, float]  # "training", one entry per other label, and "total"
-    labelled_events: dict[str, int]  # releases other than training steps, counted by label
-
-    @property
-    def total_epsilon(self) -> float:
-        """ε of training and every labelled event together, at the ledger's δ."""
-        return self.epsilon["total"]
-
-    @classmethod
-    def of(cls, ledger: PrivacyLedger) -> LedgerSummary:
-        """The summary of ``ledger``: steps grouped by sampling record, events by label."""
-        sampled: dict[SamplingRecord, int] = {}
-        labelled: dict[str, int] = {}
-        for entry in ledger.state_dict()["entries"]:
-            if "sampling" in entry:
-                record = SamplingRecord.from_dict(entry["sampling"])
-                sampled[record] = sampled.get(record, 0) + entry["count"]
-            else:
-                labelled[entry["label"]] = labelled.get(entry["label"], 0) + entry["count"]
-        return cls(
-            accountant=ledger.accountant,
-            relation=ledger.relation.value,
-            delta=ledger.delta,
-            target_epsilon=ledger.target_epsilon,
-            steps=ledger.steps,
-            sampling=tuple(SampledSteps(record, n) for record, n in sampled.items()),
-            assumptions_met=ledger.assumptions_met,
-            epsilon=ledger.epsilon_by_label(),
-            labelled_events=labelled,
-        )
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "accounting.summary") -> LedgerSummary:
-        """Inverse of ``dataclasses.asdict``."""
-        sampling = tuple_of(SampledSteps, f"{where}.sampling", SampledSteps.from_dict)
-        return build(cls, data, {"sampling": sampling}, where)
+def summary_from_dict(data: Any, where: str = "accounting.summary") -> LedgerSummary:
+    """Inverse of ``dataclasses.asdict`` for a ledger summary; every problem names the field."""
+    converters = {
+        "sampling": tuple_of(SampledSteps, f"{where}.sampling", _sampled_steps_from_dict),
+        "noise_multipliers": list_as_tuple,
+    }
+    return build(LedgerSummary, data, converters, where)
 
 
 @dataclass(frozen=True)
@@ -122,7 +70,7 @@ class AccountingFacts:
     def from_dict(cls, data: Any, where: str = "accounting") -> AccountingFacts:
         """Inverse of ``dataclasses.asdict``."""
         converters = {
-            "summary": lambda d: LedgerSummary.from_dict(d, f"{where}.summary"),
+            "summary": lambda d: summary_from_dict(d, f"{where}.summary"),
             "epsilon_table": tuple_of(EpsilonAtDelta, f"{where}.epsilon_table"),
             "notes": list_as_tuple,
         }
@@ -196,7 +144,7 @@ def accounting_facts(
         )
     return AccountingFacts(
         ledger_state=ledger.state_dict(),
-        summary=LedgerSummary.of(ledger),
+        summary=ledger.summary(),
         epsilon_under_poisson_assumption=poisson,
         epsilon_table=table,
         notes=tuple(notes),
@@ -211,4 +159,5 @@ __all__ = [
     "SampledSteps",
     "accounting_facts",
     "planned_sampling",
+    "summary_from_dict",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,6 @@ from dpfy.plan.accounting.accountant import (
     make_accountant,
 )
 from dpfy.plan.accounting.calibrate import largest_fitting_count
-from dpfy.plan.accounting.event_codec import decode_event, encode_event
 from dpfy.plan.accounting.events import (
     ComposedEvent,
     DpEvent,
@@ -38,11 +37,19 @@ from dpfy.plan.accounting.events import (
     SelfComposedEvent,
 )
 from dpfy.plan.sampling import SamplingRecord
+from dpfy.train.ledger_codec import (
+    LEDGER_FORMAT,
+    LEDGER_VERSION,
+    check_format,
+    decode_entry,
+    encode_entry,
+    entries_of,
+)
+from dpfy.train.ledger_summary import LedgerSummary, SampledSteps
+from dpfy.train.step_record import StepRecord
 
 TRAINING = "training"
 TOTAL = "total"
-_FORMAT = "dpfy.privacy-ledger"
-_VERSION = 1
 
 # The guard's search never looks further than this many steps ahead; when a run uses them all it
 # simply searches again. 2³⁰ steps is beyond any real training run.
@@ -59,43 +66,6 @@ class BudgetExhausted(RuntimeError):
             f"more step ({step}) would take it past the target ε={target:.6g}. Nothing was "
             "applied. To continue, lower the number of steps, raise the noise multiplier σ, or "
             "raise the budget (a larger target_epsilon, if your privacy plan allows it)."
-        )
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One DP-SGD step as it happened: how its batch was drawn and the noise multiplier σ.
-
-    ``batch_size`` is the realised batch size, kept for diagnostics only (a running total); it
-    takes no part in accounting, grouping or equality (DESIGN rule 1).
-    """
-
-    sampling: SamplingRecord
-    noise_multiplier: float
-    batch_size: int | None = dataclasses.field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.sampling, SamplingRecord):
-            raise ValueError(
-                f"sampling must be a SamplingRecord (take it from the sampler's .record), "
-                f"got {type(self.sampling).__name__}"
-            )
-        object.__setattr__(
-            self, "noise_multiplier", check_positive("noise_multiplier", self.noise_multiplier)
-        )
-        if self.batch_size is not None:
-            object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
-
-    @property
-    def event(self) -> DpEvent:
-        """The event accounted for this step."""
-        return self.sampling.event(self.noise_multiplier)
-
-    def describe(self) -> str:
-        """A short phrase for messages: kind, q and σ."""
-        return (
-            f"{self.sampling.kind.value} sampling, q={self.sampling.sampling_rate:.6g}, "
-            f"σ={self.noise_multiplier:.6g}"
         )
 
 
@@ -405,8 +375,8 @@ class PrivacyLedger:
         return accountant
 
     # -- report --------------------------------------------------------------------------------
-    def summary(self) -> dict[str, Any]:
-        """Plain-JSON facts for the privacy report (guide §5.3.3)."""
+    def summary(self) -> LedgerSummary:
+        """What the ledger recorded, typed, for the privacy report (guide §5.3.3)."""
         samplings: dict[SamplingRecord, int] = {}
         sigmas: set[float] = set()
         labels: dict[str, int] = {}
@@ -416,52 +386,36 @@ class PrivacyLedger:
                 sigmas.add(entry.step.noise_multiplier)
             else:
                 labels[entry.label] = labels.get(entry.label, 0) + entry.count
-        summary: dict[str, Any] = {
-            "accountant": self.accountant,
-            "relation": self.relation.value,
-            "delta": self.delta,
-            "target_epsilon": self.target_epsilon,
-            "steps": self.steps,
-            "groups": len(self._entries),
-            "sampling": [
-                {
-                    **record.to_dict(),
-                    "description": record.description,
-                    "assumption_met": record.assumption_met,
-                    "steps": n,
-                }
-                for record, n in samplings.items()
-            ],
-            "noise_multipliers": sorted(sigmas),
-            "assumptions_met": self.assumptions_met,
-            "epsilon": self.epsilon_by_label(),
-            "labelled_events": labels,
-            "examples_seen": self._examples_seen if self._sized_steps else None,
-        }
-        if not self.assumptions_met:
-            summary["epsilon_under_poisson_assumption"] = self.epsilon_under_poisson_assumption()
-        return summary
+        met = self.assumptions_met
+        return LedgerSummary(
+            accountant=self.accountant,
+            relation=self.relation.value,
+            delta=self.delta,
+            target_epsilon=self.target_epsilon,
+            steps=self.steps,
+            groups=len(self._entries),
+            sampling=tuple(SampledSteps(record, n) for record, n in samplings.items()),
+            noise_multipliers=tuple(sorted(sigmas)),
+            assumptions_met=met,
+            epsilon=self.epsilon_by_label(),
+            labelled_events=labels,
+            examples_seen=self._examples_seen if self._sized_steps else None,
+            epsilon_under_poisson_assumption=None
+            if met
+            else self.epsilon_under_poisson_assumption(),
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A versioned, plain-JSON dict of everything recorded, for checkpoints (DESIGN rule 9)."""
-        entries = []
-        for entry in self._entries:
-            item: dict[str, Any] = {"label": entry.label, "count": entry.count}
-            if entry.step is not None:
-                item["sampling"] = entry.step.sampling.to_dict()
-                item["noise_multiplier"] = entry.step.noise_multiplier
-            else:
-                item["event"] = encode_event(entry.event)
-            entries.append(item)
         return {
-            "format": _FORMAT,
-            "version": _VERSION,
+            "format": LEDGER_FORMAT,
+            "version": LEDGER_VERSION,
             "accountant": self.accountant,
             "relation": self.relation.value,
             "delta": self.delta,
             "target_epsilon": self.target_epsilon,
-            "entries": entries,
+            "entries": [encode_entry(e.label, e.count, e.step, e.event) for e in self._entries],
             "examples_seen": self._examples_seen,
             "sized_steps": self._sized_steps,
             "run_id": self.run_id,
@@ -472,11 +426,7 @@ class PrivacyLedger:
         """A new ledger from :meth:`state_dict` output; any problem is a ValueError."""
         if not isinstance(state, dict):
             raise ValueError(f"ledger state must be a dict, got {type(state).__name__}")
-        if state.get("format") != _FORMAT or state.get("version") != _VERSION:
-            raise ValueError(
-                f"not a version-{_VERSION} dpfy ledger state (format={state.get('format')!r}, "
-                f"version={state.get('version')!r})"
-            )
+        check_format(state)
         try:
             ledger = cls(
                 state["delta"],
@@ -484,8 +434,8 @@ class PrivacyLedger:
                 target_epsilon=state["target_epsilon"],
                 relation=state["relation"],
             )
-            for i, item in enumerate(_as_list(state["entries"], "entries")):
-                ledger._load_entry(i, item)
+            for i, item in enumerate(entries_of(state)):
+                ledger._load_entry(*decode_entry(i, item, TRAINING))
             ledger._examples_seen = check_count("examples_seen", state["examples_seen"])
             ledger._sized_steps = check_count("sized_steps", state["sized_steps"])
             run_id = state.get("run_id")
@@ -498,20 +448,16 @@ class PrivacyLedger:
             raise ValueError(f"corrupt ledger state: {err}") from None
         return ledger
 
-    def _load_entry(self, index: int, item: Any) -> None:
+    def _load_entry(
+        self, label: str, count: int, step: StepRecord | None, event: DpEvent | None
+    ) -> None:
         """Re-record one saved run, with the same checks as when it was first recorded."""
-        if not isinstance(item, dict):
-            raise ValueError(f"entries[{index}] must be a dict")
-        label = item["label"]
-        count = check_count(f"entries[{index}].count", item["count"], minimum=1)
-        if "sampling" in item:
-            if label != TRAINING:
-                raise ValueError(f"entries[{index}] is a training step labelled {label!r}")
-            step = StepRecord(SamplingRecord.from_dict(item["sampling"]), item["noise_multiplier"])
+        if step is not None:
             self._append(TRAINING, self._validate_step(step, None), count, step)
             self._warned_assumption |= not step.sampling.assumption_met
         else:
-            self.record_event(decode_event(item["event"]), label=label, count=count)
+            assert event is not None
+            self.record_event(event, label=label, count=count)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a checkpointed ledger (DESIGN rule 9); on any problem nothing changes.
@@ -546,13 +492,6 @@ class PrivacyLedger:
         )
 
 
-def _as_list(value: Any, name: str) -> Iterable[Any]:
-    """Require a JSON list."""
-    if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list")
-    return value
-
-
 def _new_accountant(name: str, relation: NeighbouringRelation) -> Accountant:
     """``make_accountant``, importing the built-in accountant modules on first use."""
     if name not in ACCOUNTANTS and name in ("pld", "rdp"):
@@ -566,4 +505,4 @@ def _new_accountant(name: str, relation: NeighbouringRelation) -> Accountant:
     return make_accountant(name, relation)
 
 
-__all__ = ["TOTAL", "TRAINING", "BudgetExhausted", "PrivacyLedger", "StepRecord"]
+__all__ = ["TOTAL", "TRAINING", "BudgetExhausted", "PrivacyLedger"]

@@ -36,7 +36,8 @@ from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingRecord
 from dpfy.train.distributed import GradientAggregator, LocalAggregator
 from dpfy.train.grads import ClipResult, GradEngine, NoiseStart
-from dpfy.train.ledger import PrivacyLedger, StepRecord
+from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.step_record import StepRecord
 from dpfy.train.noise.mechanisms import NoiseMechanism, make_mechanism
 from dpfy.train.noise.source import NoiseSource, TorchNoise
 
