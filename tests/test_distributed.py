@@ -37,8 +37,8 @@ from dpfy.train.distributed import (
     replicas_for,
 )
 from dpfy.train.ledger import PrivacyLedger
-from dpfy.train.step_record import StepRecord
 from dpfy.train.optim import NonFiniteGradientError
+from dpfy.train.step_record import StepRecord
 
 WORLD = 2
 LR, CLIP, SIGMA = 0.5, 0.5, 1.0

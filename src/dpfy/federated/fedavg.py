@@ -46,8 +46,8 @@ from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.builder import warn_if_delta_too_large
 from dpfy.train.checks import check_model
 from dpfy.train.ledger import PrivacyLedger
-from dpfy.train.step_record import StepRecord
 from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
+from dpfy.train.step_record import StepRecord
 
 __all__ = [
     "DPFedAvg",

@@ -51,8 +51,8 @@ from dpfy.federated.fedavg import check_ledger, check_seeding
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.builder import warn_if_delta_too_large
 from dpfy.train.ledger import BudgetExhausted, PrivacyLedger
-from dpfy.train.step_record import StepRecord
 from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
+from dpfy.train.step_record import StepRecord
 
 __all__ = ["DPFedAvgStrategy"]
 

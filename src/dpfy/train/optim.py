@@ -37,9 +37,9 @@ from dpfy.plan.sampling import SamplingRecord
 from dpfy.train.distributed import GradientAggregator, LocalAggregator
 from dpfy.train.grads import ClipResult, GradEngine, NoiseStart
 from dpfy.train.ledger import PrivacyLedger
-from dpfy.train.step_record import StepRecord
 from dpfy.train.noise.mechanisms import NoiseMechanism, make_mechanism
 from dpfy.train.noise.source import NoiseSource, TorchNoise
+from dpfy.train.step_record import StepRecord
 
 
 class NonFiniteGradientError(ValueError):
