@@ -4,11 +4,8 @@ Every training step allocates and frees the same large temporaries (activations,
 gradients, per-example gradients, a convolution's work buffers). glibc's ``malloc`` serves large
 blocks with ``mmap`` and gives free memory at the top of its heap back to the OS once it passes a
 trim threshold; the next step asks for the same sizes again, and the kernel zero-fills each page
-on first touch. Measured on the project's 2-core machine (one torch thread): the CNN benchmark
-(``benchmarks/step_overhead.py``) took 9 000–15 000 minor page faults and 14–32 ms of system
-time per non-private step, and 17 000–22 000 faults and 41–45 ms per private step, whose engine
-keeps more tensors alive at once; with the settings below both fell to a few hundred faults and
-under 1 ms. PyTorch's CUDA caching allocator keeps freed GPU memory for reuse in the same way;
+on first touch, which costs a private step (whose engine keeps more tensors alive at once) tens
+of milliseconds of system time (docs/performance.md). PyTorch's CUDA caching allocator keeps freed GPU memory for reuse in the same way;
 on the CPU torch leaves it to ``malloc``.
 
 :func:`keep_freed_memory` serves blocks up to 32 MiB (glibc's largest mmap threshold on 64-bit)
