@@ -201,6 +201,9 @@ def _user_dp_sgd(request: PlanRequest) -> PrivacyPlan:
         restart_every=request.restart_every,
         tree=request.tree,
     )
+    cap = request.max_examples_per_user
+    if cap is not None:
+        cap = check_count("max_examples_per_user", cap, minimum=1)
     relation = NeighbouringRelation.ADD_OR_REMOVE
     record = SamplingRecord(
         SamplingKind.POISSON, request.batch_size / request.records, request.records, unit="user"
@@ -218,7 +221,7 @@ def _user_dp_sgd(request: PlanRequest) -> PrivacyPlan:
         request.accountant,
         unit="user",
         examples=request.examples,
-        max_examples_per_user=request.max_examples_per_user,
+        max_examples_per_user=cap,
     )
 
 

@@ -115,7 +115,7 @@ def make_private(
     plan = make_plan(
         PlanRequest(
             records=records.count,
-            batch_size=batch_size,
+            batch_size=records.batch_size,
             delta=delta,
             max_grad_norm=max_grad_norm,
             epochs=epochs,
@@ -147,7 +147,6 @@ def make_private(
             generator,
             secure_noise,
             replicas,
-            max_examples_per_user,
             checked_loader_options(loader_options),
         ),
     )

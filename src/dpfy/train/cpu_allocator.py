@@ -5,8 +5,8 @@ gradients, per-example gradients, a convolution's work buffers). glibc's ``mallo
 blocks with ``mmap`` and gives free memory at the top of its heap back to the OS once it passes a
 trim threshold; the next step asks for the same sizes again, and the kernel zero-fills each page
 on first touch, which costs a private step (whose engine keeps more tensors alive at once) tens
-of milliseconds of system time (docs/performance.md). PyTorch's CUDA caching allocator keeps freed GPU memory for reuse in the same way;
-on the CPU torch leaves it to ``malloc``.
+of milliseconds of system time (docs/performance.md). PyTorch's CUDA caching allocator keeps
+freed GPU memory for reuse in the same way; on the CPU torch leaves it to ``malloc``.
 
 :func:`keep_freed_memory` serves blocks up to 32 MiB (glibc's largest mmap threshold on 64-bit)
 from the heap and trims the heap only when more than 1 GiB at its top is free. The process's

@@ -166,10 +166,9 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         if not closes:
             return loss
+        sampling = self._guarded(self.mechanism.sampling, self.sampling, batch)
         record = StepRecord(
-            self.mechanism.sampling(self.sampling, batch),
-            self.plan.noise_multiplier,
-            batch_size=self.engine.num_examples,
+            sampling, self.plan.noise_multiplier, batch_size=self.engine.num_examples
         )
         self._guarded(self.provenance.check_size, batch, self.engine.num_examples)
         self._guarded(self.ledger.check_step, record)  # BudgetExhausted before anything changes

@@ -29,9 +29,11 @@ __all__ = ["LoaderInputs", "Records", "Variant", "variant_for"]
 
 @dataclass(frozen=True)
 class Records:
-    """What is sampled: N records (examples or users) and, for users, whose example is whose."""
+    """What is sampled: N records (examples or users), B of them expected per step, and for
+    users, whose example is whose."""
 
     count: int
+    batch_size: int
     examples: int
     user_ids: torch.Tensor | None = None
 
@@ -45,7 +47,6 @@ class LoaderInputs:
     generator: torch.Generator | None
     secure: bool
     replicas: SingleProcess | ProcessGroupReplicas
-    max_examples_per_user: int | None
     options: dict[str, Any]
 
 
@@ -63,16 +64,15 @@ class Variant:
 def _examples(dataset: Dataset, user_ids: torch.Tensor | None, batch_size: int) -> Records:
     """N examples; B must lie in [1, N]."""
     size = dataset_size_of(dataset)
-    check_batch_size(size, batch_size)
-    return Records(size, size)
+    return Records(size, check_batch_size(size, batch_size), size)
 
 
 def _users(dataset: Dataset, user_ids: torch.Tensor | None, batch_size: int) -> Records:
     """N users from one user id per example; B (users per step) must lie in [1, N_users]."""
     ids = check_user_ids(user_ids, dataset_size_of(dataset))
     count = int(ids.max()) + 1
-    user_sampling_rate(count, batch_size)
-    return Records(count, int(ids.numel()), ids)
+    user_sampling_rate(count, batch_size)  # refuses B_users outside [1, N_users] with the fix
+    return Records(count, check_count("batch_size", batch_size, minimum=1), int(ids.numel()), ids)
 
 
 def _sampled_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
@@ -101,15 +101,12 @@ def _sampled_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
 def _user_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
     """User-level DP-SGD's loader: Poisson-sampled users, each bringing (a cap of) their data."""
     assert inputs.records.user_ids is not None  # counted by _users
-    cap = inputs.max_examples_per_user
     return UserDataLoader(
         inputs.dataset,
         inputs.records.user_ids,
         plan.expected_batch_size,
         steps=plan.steps,
-        max_examples_per_user=None
-        if cap is None
-        else check_count("max_examples_per_user", cap, minimum=1),
+        max_examples_per_user=plan.max_examples_per_user,
         generator=inputs.generator,
         secure=inputs.secure,
         **inputs.options,

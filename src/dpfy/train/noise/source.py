@@ -5,9 +5,9 @@
 — the operating system's cryptographically secure generator — and turns it into normals by the
 Box–Muller transform in float64; an attacker who learns the training code cannot replay or predict
 it. Its cost is dominated by ``os.urandom`` (about 8 random bytes per coordinate, two uniforms per
-pair of normals; timings in docs/performance.md). Neither defends against floating-point attacks on the
-least significant bits of the noise (Mironov 2012); the secure option removes predictability of the
-random stream, not that channel.
+pair of normals; timings in docs/performance.md). Neither defends against floating-point attacks
+on the least significant bits of the noise (Mironov 2012); the secure option removes
+predictability of the random stream, not that channel.
 """
 
 from __future__ import annotations
