@@ -77,6 +77,13 @@ class FederatedConfig:
             return self.delta
         return 10.0 ** -(math.ceil(math.log10(self.users)) + 1)
 
+    @property
+    def algorithm_name(self) -> str:
+        """The plan's name of the algorithm these settings run: 'dp-fedsgd' or 'dp-fedavg'."""
+        from dpfy.federated.fedavg import algorithm_of
+
+        return algorithm_of(self.local_steps, self.local_batch_size, self.client_lr).lower()
+
     def fedavg(self, noise_multiplier: float) -> FedAvgConfig:
         """The algorithm's settings at the calibrated σ."""
         from dpfy.federated.fedavg import FedAvgConfig

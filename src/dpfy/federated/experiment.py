@@ -22,9 +22,10 @@ from rich.console import Console
 from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.data.users import UserSplit, split_users
 from dpfy.federated.config import FederatedConfig
-from dpfy.federated.fedavg import DPFedAvg, calibrate_user_noise
+from dpfy.federated.fedavg import DPFedAvg, federated_plan
 from dpfy.federated.simulation import simulate
 from dpfy.jobs.config import public_seed
+from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.models import build_model
 
@@ -84,14 +85,19 @@ def _federate_into(
     data = load_dataset(config.dataset, data_dir=config.data_dir)
     labels = data.train.tensors[1]
     split = split_users(labels, config.users, alpha=config.alpha, seed=public_seed(config.seed))
-    sigma = calibrate_user_noise(
-        config.target_epsilon,
-        delta,
+    plan = federated_plan(
         config.users,
         config.clients_per_round,
         config.rounds,
+        delta=delta,
+        clip_norm=config.clip_norm,
+        target_epsilon=config.target_epsilon,
         accountant=config.accountant,
+        algorithm=config.algorithm_name,
+        examples=split.num_examples,
+        seeded=config.seed is not None,
     )
+    sigma = plan.noise_multiplier
     ledger = PrivacyLedger(
         delta, accountant=config.accountant, target_epsilon=config.target_epsilon
     )
@@ -127,9 +133,7 @@ def _federate_into(
     torch.save(model.state_dict(), run_dir / "model.pt")
     (run_dir / "history.json").write_text(json.dumps(outcome.history, indent=2))
     (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
-    facts = federated_facts(
-        config, data, split, trainer, delta, sigma, test_accuracy, outcome.update_norms
-    )
+    facts = federated_facts(config, data, split, trainer, plan, test_accuracy, outcome.update_norms)
     write_report(facts, run_dir, history=outcome.history)
     return FederatedResult(
         run_dir,
@@ -149,13 +153,11 @@ def federated_facts(
     data: LoadedDataset,
     split: UserSplit,
     trainer: DPFedAvg,
-    delta: float,
-    sigma: float,
+    plan: PrivacyPlan,
     test_accuracy: float,
     norms: list[float],
 ) -> Any:
     """The run's facts for the report card: user-level unit, N and B counting users."""
-    from dpfy.plan.privacy_plan import PrivacyPlan
     from dpfy.report.facts import (
         DatasetFacts,
         GradNormStats,
@@ -170,25 +172,6 @@ def federated_facts(
 
     algorithm = trainer.config
     ledger = trainer.ledger
-    privacy = PrivacyPlan(
-        dataset_size=split.num_users,
-        expected_batch_size=config.clients_per_round,
-        sampling_rate=trainer.sampling_rate,
-        steps=config.rounds,
-        noise_multiplier=sigma,
-        max_grad_norm=config.clip_norm,
-        delta=delta,
-        target_epsilon=config.target_epsilon,
-        accountant=config.accountant,
-        sampler="poisson",
-        microbatch_size=None,
-        loss_reduction="mean",
-        unit="user",
-        examples=split.num_examples,
-        max_examples_per_user=None,
-        algorithm="dp-fedsgd" if algorithm.algorithm == "DP-FedSGD" else "dp-fedavg",
-        seeded=config.seed is not None,
-    )
     local = (
         "the full local data"
         if algorithm.local_batch_size is None
@@ -207,7 +190,7 @@ def federated_facts(
             preprocessing_steps(data.preprocessing),
         ),
         model=model_facts(trainer.model, config.model),
-        privacy=privacy,
+        privacy=plan,
         training=TrainingFacts(
             optimizer=optimizer,
             learning_rate=algorithm.server_lr,

@@ -41,7 +41,8 @@ from dpfy.federated.aggregate import (
     ServerUpdate,
     make_server_optimizer,
 )
-from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
+from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.resolvers import PlanRequest, make_plan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.builder import warn_if_delta_too_large
 from dpfy.train.checks import check_model
@@ -58,6 +59,7 @@ __all__ = [
     "check_ledger",
     "check_seeding",
     "check_user_datasets",
+    "federated_plan",
 ]
 
 log = logging.getLogger("dpfy.federated")
@@ -116,8 +118,13 @@ class FedAvgConfig:
     @property
     def algorithm(self) -> str:
         """'DP-FedSGD' for one full-batch local step at η_c = 1, else 'DP-FedAvg'."""
-        one_step = self.local_steps == 1 and self.local_batch_size is None
-        return "DP-FedSGD" if one_step and self.client_lr == 1.0 else "DP-FedAvg"
+        return algorithm_of(self.local_steps, self.local_batch_size, self.client_lr)
+
+
+def algorithm_of(local_steps: int, local_batch_size: int | None, client_lr: float) -> str:
+    """'DP-FedSGD' for one full-batch local step at η_c = 1 (guide §4.4), else 'DP-FedAvg'."""
+    one_step = local_steps == 1 and local_batch_size is None
+    return "DP-FedSGD" if one_step and client_lr == 1.0 else "DP-FedAvg"
 
 
 @dataclass(frozen=True)
@@ -179,8 +186,44 @@ def calibrate_user_noise(
     accountant: str = "pld",
 ) -> float:
     """The smallest σ for ``rounds`` rounds at q = B_c / N_users to meet user-level (ε, δ)."""
-    rate = sampling_rate_for(num_users, clients_per_round)
-    return calibrate_noise_multiplier(target_epsilon, delta, rate, rounds, accountant=accountant)
+    sampling_rate_for(num_users, clients_per_round)  # refuses B_c outside [1, N_users]
+    return federated_plan(
+        num_users, clients_per_round, rounds, delta=delta, clip_norm=1.0,
+        target_epsilon=target_epsilon, accountant=accountant,
+    ).noise_multiplier  # fmt: skip
+
+
+def federated_plan(
+    num_users: int,
+    clients_per_round: int,
+    rounds: int,
+    *,
+    delta: float,
+    clip_norm: float,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    accountant: str = "pld",
+    algorithm: str = "dp-fedavg",
+    examples: int | None = None,
+    seeded: bool = False,
+) -> PrivacyPlan:
+    """The privacy plan of a federated run, from the same resolvers as every private run."""
+    return make_plan(
+        PlanRequest(
+            records=num_users,
+            batch_size=clients_per_round,
+            delta=delta,
+            max_grad_norm=clip_norm,
+            steps=rounds,
+            target_epsilon=target_epsilon,
+            noise_multiplier=noise_multiplier,
+            accountant=accountant,
+            examples=examples,
+            seeded=seeded,
+        ),
+        algorithm,
+        "user",
+    )
 
 
 class UserRoundSampler(PoissonSampler):

@@ -10,6 +10,7 @@ anywhere (the CLI's ``plan`` command, a report, a test).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -223,6 +224,20 @@ def _user_dp_sgd(request: PlanRequest) -> PrivacyPlan:
         examples=request.examples,
         max_examples_per_user=cap,
     )
+
+
+def _federated(algorithm: str) -> Resolver:
+    """DP-FedAvg / DP-FedSGD (guide alg. 2): user-level DP-SGD's plan, each round one step."""
+
+    def resolve(request: PlanRequest) -> PrivacyPlan:
+        return dataclasses.replace(_user_dp_sgd(request), algorithm=algorithm)
+
+    resolve.__doc__ = f"{algorithm}: Poisson-sampled users, each user's model change clipped."
+    return resolve
+
+
+for _name in ("dp-fedavg", "dp-fedsgd"):
+    register_resolver(_name, "user")(_federated(_name))
 
 
 @register_resolver("dp-ftrl", "example")
