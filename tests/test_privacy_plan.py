@@ -187,3 +187,13 @@ def test_the_gaussian_stage_adds_noise_of_the_stated_std():
 def test_the_plan_round_trips_as_a_plain_dict():
     plan = make_plan(request(restart_every=5), "dp-ftrl")
     assert type(plan)(**dataclasses.asdict(plan)) == plan
+
+
+def test_a_federated_plan_is_not_trained_by_make_private():
+    net = model()
+    with pytest.raises(ValueError, match="dpfy.federated"):
+        dpfy.make_private(
+            net, torch.optim.SGD(net.parameters(), lr=0.1), data(), batch_size=8, delta=1e-5,
+            max_grad_norm=1.0, noise_multiplier=1.0, steps=3, algorithm="dp-fedavg",
+            user_ids=torch.arange(96) % 24,
+        )  # fmt: skip

@@ -22,7 +22,7 @@ from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord, parse_order
 from dpfy.plan.tree_events import ftrl_step_events, resolve_restart
 
-__all__ = ["PlanRequest", "make_plan", "register_resolver", "resolver_keys"]
+__all__ = ["PlanRequest", "make_plan", "register_resolver", "resolver_key", "resolver_keys"]
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,8 @@ def resolver_keys() -> tuple[tuple[str, str], ...]:
     return tuple(_RESOLVERS)
 
 
-def make_plan(
-    request: PlanRequest, algorithm: str = "dp-sgd", unit: str = "example"
-) -> PrivacyPlan:
-    """The plan for ``request`` from the resolver of (``algorithm``, ``unit``)."""
+def resolver_key(algorithm: str, unit: str) -> tuple[str, str]:
+    """(algorithm, unit) normalised, after refusing a pair no resolver plans, with the choices."""
     key = (str(algorithm).strip().lower(), unit)
     if key not in _RESOLVERS:
         known = ", ".join(sorted({name for name, _ in _RESOLVERS}))
@@ -88,7 +86,14 @@ def make_plan(
                 "algorithm"
             )
         raise ValueError(f"algorithm must be one of {known}; got {algorithm!r}")
-    return _RESOLVERS[key](request)
+    return key
+
+
+def make_plan(
+    request: PlanRequest, algorithm: str = "dp-sgd", unit: str = "example"
+) -> PrivacyPlan:
+    """The plan for ``request`` from the resolver of (``algorithm``, ``unit``)."""
+    return _RESOLVERS[resolver_key(algorithm, unit)](request)
 
 
 def _calibrated(

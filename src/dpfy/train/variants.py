@@ -21,6 +21,7 @@ from dpfy.data.ordered_sampling import OrderedSampler
 from dpfy.data.sampling import check_batch_size
 from dpfy.data.user_sampling import UserDataLoader, check_user_ids, user_sampling_rate
 from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.resolvers import resolver_key
 from dpfy.plan.sampling import SamplingKind
 from dpfy.train.distributed import ProcessGroupReplicas, SingleProcess
 
@@ -144,15 +145,10 @@ _VARIANTS: dict[tuple[str, str], Variant] = {
 
 def variant_for(algorithm: str, unit: str) -> Variant:
     """The training side of (``algorithm``, ``unit``); its plan side must exist too."""
-    key = (str(algorithm).strip().lower(), unit)
+    key = resolver_key(algorithm, unit)  # refuses an unknown pair, naming the choices
     if key not in _VARIANTS:
-        known = ", ".join(sorted({name for name, _ in _VARIANTS}))
-        units = sorted(u for name, u in _VARIANTS if name == key[0])
-        if units:
-            raise ValueError(
-                f"{key[0]} trains at the {' and '.join(units)} level, not per {unit}: "
-                f"{'drop user_ids' if unit == 'user' else 'pass user_ids'} or choose another "
-                "algorithm"
-            )
-        raise ValueError(f"algorithm must be one of {known}; got {algorithm!r}")
+        raise ValueError(
+            f"{key[0]} per {unit} is not trained by make_private; "
+            f"use {'dpfy.federated' if key[0].startswith('dp-fed') else 'another algorithm'}"
+        )
     return _VARIANTS[key]
