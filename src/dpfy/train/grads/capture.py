@@ -9,14 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
-
-if TYPE_CHECKING:
-    from dpfy.train.grads.rows import Rows
 
 __all__ = ["Call", "Tap", "Taps", "output_tensors", "release"]
 
@@ -44,7 +41,9 @@ class Call:
     cache: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     #: Per-example gradients (B, F) by parameter name, when the engine reduced the call to them
     #: during backward (inputs and output gradients are then released); ``size`` is then B.
-    compact: dict[str, Rows] | None = None
+    #: Values are :class:`dpfy.train.grads.rows.Rows` (not imported here: rows imports layout,
+    #: which imports this module).
+    compact: dict[str, Any] | None = None
     size: int | None = None
     #: Whether the layer's parameters were switched off during this call (autograd then
     #: computed no ordinary gradient for them through this call).

@@ -96,6 +96,13 @@ class GradEngine:
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._state_before: list[tuple[int, int]] = []
         self._modules = list(model.modules())  # whose parameters and buffers no forward may write
+        # The modules' own parameter and buffer dicts, read at every step. nn.Module makes each
+        # once, in __init__; registering, assigning, deleting or loading a parameter or buffer,
+        # and .to()/_apply, change their entries, never the dicts, so these are the live dicts:
+        # an entry written, rebound, added or removed is seen exactly as through the modules.
+        self._state_dicts = [
+            tensors for module in self._modules for tensors in (module._parameters, module._buffers)
+        ]
         self._weight_only = _power_iteration_buffers(model)
         self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
         for tap in taps:
@@ -193,11 +200,15 @@ class GradEngine:
         sq = self._unit_sq_norms(calls, units)
         calls.clear()  # the engine keeps what it needs; let summed layers free their tensors
         scale = _unit_scale(base, units, sq)  # unit gradient = scale · (sum of captured grads)
-        norms = sq.clamp_min(0).sqrt_().mul_(scale)  # in place on the fresh clamp (not on sq)
-        factors = (clip / norms).clamp_max_(1.0)  # min(1, C/‖g‖); a zero norm: C/0 = ∞ → 1
+        norms = sq.clamp_min(0).sqrt_()  # in place on the fresh clamp, never on sq itself
+        if not isinstance(scale, float) or scale != 1.0:
+            norms.mul_(scale)
+        # min(1, C/‖g‖), as C / norms computes it (1/‖g‖ · C); a zero norm: C/0 = ∞ → 1
+        factors = torch.reciprocal(norms).mul_(clip).clamp_max_(1.0)
         self._accumulate(factors.mul_(scale * sum_scale), noise)
         self.num_examples += n
-        return ClipResult(norms.detach(), n, units.count)
+        # Formed under no_grad, so nothing to detach from (detach() would be one more call).
+        return ClipResult(norms.detach() if norms.requires_grad else norms, n, units.count)
 
     @property
     def summing(self) -> bool:
@@ -279,6 +290,8 @@ class GradEngine:
 
     def _finish_noise(self, noise: NoiseStart) -> None:
         """Give every named parameter its noise: sums formed before get it added, others filled."""
+        if noise.names <= self._noised:  # every sum was opened from its noise (the fast engine)
+            return
         # One stream order however the names are reached: largest first, as the engines open them.
         for name in self._largest_first(noise.names):
             if name in self._noised:
@@ -369,15 +382,16 @@ class GradEngine:
     def _state_versions(self) -> list[tuple[int, int]]:
         """(identity, version) of every parameter and buffer of the model, frozen ones included.
 
-        Read from the modules' own dicts: a write in place bumps the version, a rebinding
-        (``self.buffer = f(x)``) changes the identity.
+        Read from the modules' own dicts (``_state_dicts``, the live dict objects; see
+        ``__init__`` for why that list cannot go stale): a write in place bumps the version, a
+        rebinding (``self.buffer = f(x)``) changes the identity.
         """
+        skip = self._weight_only
         return [
             (id(tensor), tensor._version)
-            for module in self._modules
-            for tensors in (module._parameters, module._buffers)
+            for tensors in self._state_dicts
             for tensor in tensors.values()
-            if tensor is not None and id(tensor) not in self._weight_only
+            if tensor is not None and (not skip or id(tensor) not in skip)
         ]
 
     def _check_no_writes(self) -> None:
@@ -457,12 +471,7 @@ class GradEngine:
 
 def _got_grad(call: Call) -> bool:
     """Whether backward reached the call: a gradient for one of its outputs, or compact rows."""
-    if call.compact is not None:
-        return True
-    for grad in call.grads:
-        if grad is not None:
-            return True
-    return False
+    return call.compact is not None or any(grad is not None for grad in call.grads)
 
 
 def _power_iteration_buffers(model: nn.Module) -> set[int]:

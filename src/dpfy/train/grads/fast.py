@@ -79,12 +79,14 @@ class FastEngine(GradEngine):
             if call.compact is not None:
                 grouped = {name: rows.per_unit(units) for name, rows in call.compact.items()}
                 self._pending.append((tap, rule, call, grouped))
-                sq = sum(rows.sq_norms() for rows in grouped.values())
+                for rows in grouped.values():
+                    sq = rows.sq_norms()
+                    total = sq if total is None else total + sq
             else:
                 prepared = prepare_call(call, self.batch_dim(tap, call), units)
                 self._pending.append((tap, rule, prepared, None))
                 sq = rule.sq_norms(tap.module, prepared)
-            total = sq if total is None else total + sq
+                total = sq if total is None else total + sq
         assert total is not None
         return total
 
@@ -103,8 +105,14 @@ class FastEngine(GradEngine):
                     slot = self._slot(name, noise)
                     if slot is not None:
                         into[local] = slot
-                if grouped is not None:
-                    sums = {name: rows.weighted_sum(weights) for name, rows in grouped.items()}
+                if grouped is not None:  # per-example rows: added in place where a sum is open
+                    sums = {}
+                    for local, rows in grouped.items():
+                        slot = into.get(local)
+                        if slot is not None and slot.is_contiguous():
+                            rows.weighted_sum(weights, slot)
+                        else:
+                            sums[local] = rows.weighted_sum(weights)
                 else:
                     sums = rule.add_clipped_sum(tap.module, call, weights, into)
                 call.release()

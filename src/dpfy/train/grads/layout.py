@@ -155,10 +155,7 @@ def prepare_call(call: Call, batch_dim: int, units: Units | None = None) -> Call
 
 def _all_set(grads: list[Tensor | None]) -> bool:
     """Whether every output gradient arrived (none is None)."""
-    for grad in grads:
-        if grad is None:
-            return False
-    return True
+    return all(grad is not None for grad in grads)
 
 
 def group_positions(x: Tensor, group: int) -> Tensor:

@@ -3,6 +3,9 @@
 ``x.square().sum(dims)`` materialises a squared copy of ``x`` before reducing it; for per-example
 gradients of a convolution that copy is as large as all of them. ``torch.linalg.vector_norm``
 reduces in one pass, about three times faster on CPU, with float32 rounding of the same order.
+Small tensors (a small model's per-example rows) are reduced by ``torch.linalg.vecdot`` instead:
+one call into torch rather than two (the norm, then its square), and the squared copy it forms
+is small.
 """
 
 from __future__ import annotations
@@ -10,7 +13,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+#: Up to this many elements (float32/float64, one reduced dim), ``vecdot`` reduces the tensor.
+SMALL_NUMEL = 1 << 15
+
+_VECDOT_DTYPES = (torch.float32, torch.float64)
+
 
 def sq_norm(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
-    """Σ x² over ``dim`` without a squared temporary of ``x``."""
+    """Σ x² over ``dim`` without a squared temporary of ``x`` (a small one for small ``x``)."""
+    if type(dim) is int and x.dtype in _VECDOT_DTYPES and x.numel() <= SMALL_NUMEL:
+        return torch.linalg.vecdot(x, x, dim=dim)
     return torch.linalg.vector_norm(x, dim=dim).square()

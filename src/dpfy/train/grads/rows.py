@@ -18,7 +18,7 @@ from torch import Tensor
 from dpfy.train.grads.layout import Units
 from dpfy.train.grads.norms import sq_norm
 
-__all__ = ["Rows"]
+__all__ = ["Rows", "weighted_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +47,36 @@ class Rows:
         norms = [sq_norm(part, 1) for part in self.parts]
         return norms[0] if len(norms) == 1 else torch.cat(norms)
 
-    def weighted_sum(self, weights: Tensor) -> Tensor:
-        """Σ_i weights[i] · row_i, (F,): one product per part."""
+    def weighted_sum(self, weights: Tensor, into: Tensor | None = None) -> Tensor:
+        """Σ_i weights[i] · row_i, (F,): one product per part.
+
+        With ``into`` (a running sum holding F numbers, any shape, contiguous) the sum is added
+        into it in place, one matrix-vector product per part, and ``into`` is returned.
+        """
+        if len(self.parts) == 1 and self.parts[0].shape[0] == weights.shape[0]:
+            return weighted_rows(self.parts[0], weights, None if into is None else into.view(-1))
+        flat = None if into is None else into.view(-1)
         total: Tensor | None = None
         start = 0
         for part in self.parts:
-            term = weights[start : start + part.shape[0]].to(part.dtype) @ part
-            total = term if total is None else total.add_(term)
+            w = weights[start : start + part.shape[0]]
+            if flat is not None:
+                weighted_rows(part, w, flat)
+            else:
+                term = weighted_rows(part, w)
+                total = term if total is None else total.add_(term)
             start += part.shape[0]
+        if into is not None:
+            return into
         assert total is not None, "Rows without parts"
         return total
+
+
+def weighted_rows(rows: Tensor, weights: Tensor, into: Tensor | None = None) -> Tensor:
+    """Σ_u w_u rows_u: (U, F), (U,) → (F,), added into ``into`` ((F,)) in place when given."""
+    w = weights if weights.dtype == rows.dtype else weights.to(rows.dtype)
+    if into is None:
+        return w @ rows
+    if into.dtype != rows.dtype:
+        return into.add_(w @ rows)
+    return into.addmv_(rows.t(), w)

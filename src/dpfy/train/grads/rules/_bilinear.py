@@ -15,8 +15,10 @@ import torch
 from torch import Tensor
 
 from dpfy.train.grads.norms import sq_norm
+from dpfy.train.grads.rows import weighted_rows
 
 __all__ = [
+    "as_dtype",
     "bias_sq_norms",
     "direct_sq_norms",
     "ghost_sq_norms",
@@ -26,6 +28,7 @@ __all__ = [
     "use_ghost",
     "weight_sq_norms",
     "weighted_bias_sum",
+    "weighted_rows",
     "weighted_weight_sum",
 ]
 
@@ -121,8 +124,21 @@ def product_into(left: Tensor, right: Tensor, into: Tensor | None) -> Tensor:
 
 
 def weighted_bias_sum(
-    g: Tensor, weights: Tensor, cache: dict[str, Tensor] | None = None, key: str = "bias"
+    g: Tensor,
+    weights: Tensor,
+    cache: dict[str, Tensor] | None = None,
+    key: str = "bias",
+    into: Tensor | None = None,
 ) -> Tensor:
-    """Σ_u w_u Σ_t g_ut: (U, T, p), (U,) → (p,) (from ``cache[key]`` if bias_sq_norms left it)."""
+    """Σ_u w_u Σ_t g_ut: (U, T, p), (U,) → (p,) (from ``cache[key]`` if bias_sq_norms left it).
+
+    With ``into`` ((p,) running sum) the sum is added into it in place (one matrix-vector
+    product, no (p,) temporary) and returned.
+    """
     unit_grads = cache[key] if cache is not None and key in cache else position_sum(g)
-    return weights.to(g.dtype) @ unit_grads
+    return weighted_rows(unit_grads, weights, into)
+
+
+def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype`` (itself when it is in it already: no call into torch)."""
+    return x if x.dtype == dtype else x.to(dtype)

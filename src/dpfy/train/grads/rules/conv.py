@@ -7,7 +7,8 @@ gradient is Σ_t g_t a_tᵀ per group. Two exact routes, chosen by the ``_biline
 * direct (p·d ≤ 2T², the usual case): every example's weight gradient is the weight gradient of
   one convolution whose groups are the examples ("batch as groups", Rochette et al. 2019,
   "Efficient per-example gradient computations in convolutional neural networks"), one
-  ``convolution_backward`` call; the per-unit gradients are kept for the clipped sum;
+  ``convolution_backward`` call, or for small inputs one batched product of unfolded patches
+  and output gradients; the per-unit gradients are kept for the clipped sum;
 * ghost (large kernels, few positions): unfold into patches, Gram matrices of patches and
   output gradients; the clipped sum is then the weight gradient of the convolution for output
   gradients scaled by the clip weights (book-keeping, Bu et al. 2023).
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpfy.train.grads.capture import Call
-from dpfy.train.grads.layout import batch_slices, group_positions
+from dpfy.train.grads.layout import SLICE_ABOVE_BYTES, batch_slices, group_positions
 from dpfy.train.grads.norms import sq_norm
 from dpfy.train.grads.registry import LayerRule, register_rule
 from dpfy.train.grads.rows import Rows
@@ -61,15 +62,27 @@ def _weight_grad(
 
 
 def _per_example_weight_grads(layer: nn.Module, call: Call) -> Rows:
-    """(B, C_out·C_in/G·k) per-example weight gradients: examples become convolution groups.
+    """(B, C_out·C_in/G·k) per-example weight gradients.
 
-    Done in slices of the batch: the convolution kernel's working buffers scale with the slice,
-    which keeps this step below the peak memory of the backward pass itself. The slices are
-    returned as they are (:class:`Rows`), not joined.
+    Inputs whose patches take more than ``SLICE_ABOVE_BYTES``: examples become convolution
+    groups, in slices of the batch (the convolution kernel's working buffers scale with the
+    slice, which keeps this step below the peak memory of the backward pass itself); the slices
+    are returned as they are (:class:`Rows`), not joined. Smaller inputs: one batched product
+    of the unfolded patches and the output gradients, the same gradients in a few kernels (a
+    convolution of B·G groups costs several times that at these sizes on a CPU).
     """
     x, g = call.inputs[0], call.grads[0]
     if x.shape[0] == 0:  # no examples: no rows (a convolution of zero groups is refused)
         return Rows((x.new_zeros((0, layer.weight.numel())),))
+    if _patch_bytes(layer, x, g) <= SLICE_ABOVE_BYTES:
+        if layer.groups == 1:  # (B, C_out, T) @ (B, T, C_in·k): no per-group views
+            cols = _unfold(layer, x)
+            grads = torch.bmm(g.reshape(g.shape[0], g.shape[1], -1), cols.transpose(1, 2))
+        else:
+            a, gg = _patches(layer, x, g)  # (B, G, T, d_g), (B, G, T, p_g)
+            a, gg = a.reshape(-1, *a.shape[2:]), gg.reshape(-1, *gg.shape[2:])
+            grads = torch.bmm(gg.transpose(1, 2), a)
+        return Rows((grads.reshape(x.shape[0], -1),))
     parts = []
     for part in batch_slices(x):
         xs, gs = x[part], g[part]
@@ -85,9 +98,15 @@ def _per_example_weight_grads(layer: nn.Module, call: Call) -> Rows:
     return Rows(tuple(parts))
 
 
-def _patches_and_grads(layer: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
-    """Per unit and group: patches (U·G, T, d_g) and output gradients (U·G, T, p_g)."""
-    x, _ = _padded(layer, call.inputs[0])
+def _patch_bytes(layer: nn.Module, x: Tensor, g: Tensor) -> int:
+    """Bytes of the unfolded patches of ``x``: B · C_in·k · T (T read from the output grad)."""
+    patch = math.prod(layer.weight.shape[1:]) * layer.groups  # C_in · kernel size
+    return x.shape[0] * patch * math.prod(g.shape[2:]) * x.element_size()
+
+
+def _unfold(layer: nn.Module, x: Tensor) -> Tensor:
+    """The input's patches as the layer's forward reads them: (B, C_in·k, T)."""
+    x, _ = _padded(layer, x)
     kernel, dilation, stride = layer.kernel_size, layer.dilation, layer.stride
     padding = layer.padding if not isinstance(layer.padding, str) else (0,) * len(kernel)
     if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
@@ -96,12 +115,23 @@ def _patches_and_grads(layer: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
         x = x.unsqueeze(2)
         kernel, dilation, stride = (1, *kernel), (1, *dilation), (1, *stride)
         padding = (0, *padding)
+    return F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+
+
+def _patches(layer: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """Per example and group: patches (B, G, T, d_g) and output gradients (B, G, T, p_g)."""
+    cols = _unfold(layer, x)  # (B, C·k, T)
     batch, groups = x.shape[0], layer.groups
-    cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C·k, T)
     positions = cols.shape[-1]
     d_g, p_g = cols.shape[1] // groups, layer.out_channels // groups  # explicit: B may be 0
     a = cols.reshape(batch, groups, d_g, positions).transpose(2, 3)  # (B, G, T, d_g)
-    g = call.grads[0].reshape(batch, groups, p_g, positions).transpose(2, 3)  # (B, G, T, p_g)
+    g = g.reshape(batch, groups, p_g, positions).transpose(2, 3)  # (B, G, T, p_g)
+    return a, g
+
+
+def _patches_and_grads(layer: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
+    """Per unit and group: patches (U·G, T, d_g) and output gradients (U·G, T, p_g)."""
+    a, g = _patches(layer, call.inputs[0], call.grads[0])
     if call.group > 1:  # merge each microbatch's positions: (B, G, T, ·) → (U, G, k·T, ·)
         a = group_positions(a.transpose(1, 2), call.group).transpose(1, 2)
         g = group_positions(g.transpose(1, 2), call.group).transpose(1, 2)
@@ -111,8 +141,13 @@ def _patches_and_grads(layer: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
 def _ghost(layer: nn.Module, call: Call) -> bool:
     """Whether the ghost route is cheaper for this layer's shapes."""
     positions = math.prod(call.grads[0].shape[2:])  # from the shape: the batch may be empty
-    d_in = layer.weight[0].numel()
+    d_in = math.prod(layer.weight.shape[1:])  # from the shape: no indexing call into torch
     return use_ghost(positions * call.group, d_in, layer.weight.shape[0] // layer.groups)
+
+
+def _position_sums(g: Tensor) -> Tensor:
+    """(B, C, *positions) → (B, C): each example's bias gradient, in one reduction."""
+    return g.sum(tuple(range(2, g.dim())))
 
 
 def _per_unit(x: Tensor, group: int) -> Tensor:
@@ -135,7 +170,7 @@ class ConvRule(LayerRule):
         if "weight" in call.trainable:
             out["weight"] = _per_example_weight_grads(layer, call)
         if "bias" in call.trainable:
-            out["bias"] = call.grads[0].flatten(2).sum(2)
+            out["bias"] = _position_sums(call.grads[0])
         return out
 
     @staticmethod
@@ -152,7 +187,7 @@ class ConvRule(LayerRule):
                 call.cache["weight"] = unit_grads
                 total = total + sq_norm(unit_grads, 1)
         if "bias" in call.trainable:
-            bias = _per_unit(g.flatten(2).sum(2), call.group)
+            bias = _per_unit(_position_sums(g), call.group)
             call.cache["bias"] = bias
             total = total + sq_norm(bias, 1)
         return total

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 
 from dpfy.train.grads.capture import Call
@@ -11,6 +12,7 @@ from dpfy.train.grads.layout import flatten_positions, group_positions
 from dpfy.train.grads.norms import sq_norm
 from dpfy.train.grads.registry import LayerRule, register_rule
 from dpfy.train.grads.rules._bilinear import (
+    as_dtype,
     bias_sq_norms,
     product_into,
     weight_sq_norms,
@@ -34,7 +36,8 @@ class LinearRule(LayerRule):
         single = _one_position(call)
         if single is not None:
             # One position: ‖g aᵀ‖² + ‖g‖² = (‖a‖² + 1)·‖g‖², one norm of g for both.
-            return (sq_norm(single[0], 1) + 1) * sq_norm(single[1], 1)
+            g_sq = sq_norm(single[1], 1)
+            return torch.addcmul(g_sq, sq_norm(single[0], 1), g_sq)
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
         total = a.new_zeros(a.shape[0])
         if "weight" in call.trainable:
@@ -58,7 +61,7 @@ class LinearRule(LayerRule):
         """The weight's product is added straight into the running sum when there is one."""
         single = _one_position(call)
         if single is not None:
-            return _rank_one_sums(*single, weights, into.get("weight"))
+            return _rank_one_sums(*single, weights, into)
         a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
         out = {}
         if "weight" in call.trainable:
@@ -67,7 +70,9 @@ class LinearRule(LayerRule):
             if slot is None:
                 out["weight"] = total
         if "bias" in call.trainable:
-            out["bias"] = weighted_bias_sum(g, weights, call.cache)
+            bias = weighted_bias_sum(g, weights, call.cache, into=into.get("bias"))
+            if "bias" not in into:
+                out["bias"] = bias
         return out
 
 
@@ -88,15 +93,29 @@ def _one_position(call: Call) -> tuple[Tensor, Tensor] | None:
     return (a.select(1, 0), g.select(1, 0)) if a.shape[1] == 1 else None
 
 
-def _rank_one_sums(a: Tensor, g: Tensor, weights: Tensor, slot: Tensor | None) -> dict[str, Tensor]:
-    """One position, weight and bias: Σ_u w_u g_u a_uᵀ and Σ_u w_u g_u from one scaled g.
+def _rank_one_sums(
+    a: Tensor, g: Tensor, weights: Tensor, into: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """One position, weight and bias: Σ_u w_u g_u a_uᵀ and Σ_u w_u g_u.
 
-    The bias sum is the column sum of the scaled g, read while it is still in cache rather than
-    a second pass over the output gradients.
+    The weight's sum is one product with the narrower side scaled by w (gᵀ's columns when it
+    is not wider than a); the bias's is one matrix-vector product gᵀw from the same gᵀ. Each
+    goes straight into its running sum where ``into`` has one.
     """
-    scaled = g * weights.to(g.dtype).unsqueeze(1)
-    total = product_into(scaled.t(), a, slot)
-    out = {"bias": scaled.sum(0)}
-    if slot is None:
-        out["weight"] = total
+    w = as_dtype(weights, g.dtype)
+    gt = g.t()
+    if a.shape[1] < g.shape[1]:
+        left, right = gt, a * w[:, None]
+    else:
+        left, right = gt * w, a
+    slot = into.get("weight")
+    total = product_into(left, right, slot)
+    out = {} if slot is not None else {"weight": total}
+    bias = into.get("bias")
+    if bias is None:
+        out["bias"] = gt @ w
+    elif bias.dtype != g.dtype:
+        bias.add_(gt @ w)
+    else:
+        bias.addmv_(gt, w)
     return out

@@ -30,33 +30,38 @@ def _per_unit(x: Tensor, group: int) -> Tensor:
     return x if group == 1 else x.reshape(x.shape[0] // group, group, x.shape[1]).sum(1)
 
 
-def _positions_last(t: Tensor, size: int) -> Tensor:
-    """(b, *, *normalized_shape) → (b, positions, size); explicit sizes, so b = 0 works too."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:]) // size, size)
+def _sum_positions(t: Tensor, size: int) -> Tensor:
+    """(b, *, *normalized_shape) → (b, size): the sum over positions; b = 0 works too."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]) // size, size).sum(1)
 
 
-def _channels_last(t: Tensor, channels: int) -> Tensor:
-    """(b, C, *spatial) → (b, positions, C); explicit sizes, so b = 0 works too."""
-    return t.reshape(t.shape[0], channels, math.prod(t.shape[2:])).transpose(1, 2)
+def _sum_spatial(t: Tensor, channels: int) -> Tensor:
+    """(b, C, *spatial) → (b, C): the sum over spatial positions; b = 0 works too."""
+    return t.reshape(t.shape[0], channels, math.prod(t.shape[2:])).sum(2)
 
 
 def _affine_grads(
     call: Call,
     normalise: Callable[[Tensor], Tensor],
-    positions_features: Callable[[Tensor], Tensor],
+    position_sums: Callable[[Tensor], Tensor],
 ) -> dict[str, Tensor]:
     """Per-unit Σ_positions g ⊙ x̂ (weight) and Σ_positions g (bias), as (U, F) rows.
 
-    ``positions_features`` views a batch slice as (b, positions, features). x̂ and g ⊙ x̂ are
-    formed one batch slice at a time, so their temporaries stay small.
+    ``position_sums`` sums a batch slice over its positions, (b, ...) → (b, features). x̂ and
+    g ⊙ x̂ are formed one batch slice at a time, so their temporaries stay small (a batch small
+    enough for one slice is read whole: no slicing, no join).
     """
     x, g = call.inputs[0], call.grads[0]
     out = {}
     if "weight" in call.trainable:
-        rows = [positions_features(g[s] * normalise(x[s])).sum(1) for s in batch_slices(x)]
-        out["weight"] = _per_unit(torch.cat(rows), call.group)
+        slices = batch_slices(x)
+        if len(slices) == 1:
+            rows = position_sums(g * normalise(x))
+        else:
+            rows = torch.cat([position_sums(g[s] * normalise(x[s])) for s in slices])
+        out["weight"] = _per_unit(rows, call.group)
     if "bias" in call.trainable:
-        out["bias"] = _per_unit(positions_features(g).sum(1), call.group)
+        out["bias"] = _per_unit(position_sums(g), call.group)
     return out
 
 
@@ -78,8 +83,12 @@ class _AffineRule(LayerRule):
     @classmethod
     def sq_norms(cls, layer: nn.Module, call: Call) -> Tensor:  # type: ignore[override]
         """Sum of squares of the per-unit affine gradients."""
-        grads = cls.unit_grads(layer, call)
-        return sum(sq_norm(g, 1) for g in grads.values())
+        total: Tensor | None = None
+        for g in cls.unit_grads(layer, call).values():  # not sum(): that would add 0 + the first
+            sq = sq_norm(g, 1)
+            total = sq if total is None else total + sq
+        assert total is not None, "a normalisation layer with no trainable parameter"
+        return total
 
     @classmethod
     def clipped_sum(  # type: ignore[override]
@@ -101,7 +110,7 @@ class LayerNormRule(_AffineRule):
         return _affine_grads(
             call,
             lambda x: F.layer_norm(x, layer.normalized_shape, eps=layer.eps),
-            lambda t: _positions_last(t, size),
+            lambda t: _sum_positions(t, size),
         )
 
 
@@ -116,7 +125,7 @@ class RMSNormRule(_AffineRule):
         return _affine_grads(
             call,
             lambda x: F.rms_norm(x, layer.normalized_shape, eps=layer.eps),
-            lambda t: _positions_last(t, size),
+            lambda t: _sum_positions(t, size),
         )
 
 
@@ -133,7 +142,7 @@ class GroupNormRule(_AffineRule):
         return _affine_grads(
             call,
             lambda x: F.group_norm(x, layer.num_groups, eps=layer.eps),
-            lambda t: _channels_last(t, channels),
+            lambda t: _sum_spatial(t, channels),
         )
 
 
@@ -169,5 +178,5 @@ class InstanceNormRule(_AffineRule):
         return _affine_grads(
             call,
             lambda x: F.group_norm(x, channels, eps=layer.eps),
-            lambda t: _channels_last(t, channels),
+            lambda t: _sum_spatial(t, channels),
         )
