@@ -7,6 +7,7 @@ privacy-relevant); torch-free, like the ledger.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from dpfy._validate import check_count, check_positive
@@ -40,9 +41,9 @@ class StepRecord:
         if self.batch_size is not None:
             object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
 
-    @property
+    @functools.cached_property
     def event(self) -> DpEvent:
-        """The event accounted for this step."""
+        """The event accounted for this step (made once: both fields it depends on are frozen)."""
         return self.sampling.event(self.noise_multiplier)
 
     def describe(self) -> str:
