@@ -5,9 +5,8 @@ adversary. A torch generator (Mersenne Twister) is reproducible and fast, and th
 seeded from the OS so that ``torch.manual_seed(0)`` elsewhere does not make every run draw the same
 batches. ``SecureSource`` draws every decision from the operating system's CSPRNG
 (``os.urandom`` / ``random.SystemRandom``): nothing is reproducible or resumable bit-for-bit, and
-it costs 8 bytes of OS randomness per example per Poisson step (measured ~40 ms per step at
-N = 10⁶ on a 2-core CPU, against ~10 ms for the torch generator) and a Python-level Fisher–Yates
-shuffle per epoch for the shuffle sampler (~3.5 s per epoch at N = 10⁶).
+it costs 8 bytes of OS randomness per example per Poisson step and a Python-level Fisher–Yates
+shuffle per epoch for the shuffle sampler (timings in docs/performance.md).
 
 Bernoulli decisions are exact up to 2⁻⁵³: an index is kept when a uniform 53-bit integer is below
 ``floor(q · 2⁵³)``, so the realised inclusion probability is never above q (a slightly lower rate
