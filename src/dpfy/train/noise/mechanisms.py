@@ -122,12 +122,11 @@ class _FlatNoise:
             groups.setdefault((param.dtype, param.device), []).append(name)
         opened = {}
         for (dtype, device), members in groups.items():
-            like = [self.params[name] for name in members]
-            flat = torch.empty(sum(p.numel() for p in like), dtype=dtype, device=device)
+            sizes = [self.params[name].numel() for name in members]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
             fill_with_noise(self.source, flat, self.std)
-            # one C++ call for all the views (torch's own helper for bucketed gradients)
-            views = torch._utils._unflatten_dense_tensors(flat, like)
-            opened.update(zip(members, views, strict=True))
+            for name, view in zip(members, flat.split(sizes), strict=True):
+                opened[name] = view.view(self.params[name].shape)
         return opened
 
     def add(self, name: str, total: torch.Tensor) -> None:
