@@ -93,7 +93,7 @@ def run_engine(
     try:
         losses = loss_fn(forward(model, x), y)
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
-        offset = Offset(dict(engine.params))
+        offset = Offset(frozenset(engine.params))
         result = engine.clip_and_accumulate(
             clip, reduction, microbatch_size=microbatch, noise=offset
         )
@@ -109,17 +109,13 @@ def run_engine(
 class Offset:
     """A stand-in for the noise: every sum opens from 0.5 (or gets 0.5 added), once each."""
 
-    params: dict[str, Tensor]
+    names: frozenset[str]
     given: set[str] = dataclasses.field(default_factory=set)
 
-    @property
-    def names(self) -> frozenset[str]:
-        return frozenset(self.params)
-
-    def open(self, names: list[str]) -> dict[str, Tensor]:
-        assert not self.given & set(names)
-        self.given |= set(names)
-        return {name: torch.full_like(self.params[name], 0.5) for name in names}
+    def fill(self, name: str, out: Tensor) -> None:
+        assert name not in self.given
+        self.given.add(name)
+        out.fill_(0.5)
 
     def add(self, name: str, total: Tensor) -> None:
         assert name not in self.given

@@ -118,7 +118,7 @@ class ClippedSum:
         std = check_positive("noise_multiplier", noise_multiplier) * self.clip_norm
         divisor = check_positive("expected_users", expected_users)
         mean = {name: total / divisor for name, total in self.total.items()}
-        GaussianMechanism(mean, noise, std / divisor).add_to(mean)
+        GaussianMechanism(frozenset(mean), noise, std / divisor).add_to(mean)
         return mean
 
 

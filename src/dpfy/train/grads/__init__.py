@@ -38,15 +38,14 @@ groups=None, noise=None, scale=1.0)``
     is **2C**: the optimizer must add noise of std 2σC (DESIGN rule 6); the engine only sums.
     ``groups`` (an integer tensor, one id per example, any order and group sizes) clips the
     average gradient of each group of examples sharing an id instead: one group per user gives
-    user-level DP-SGD (``make_private(..., user_ids=...)``), whose sensitivity is C because the
-    whole group is the protected record. Both are laid out by
-    :class:`dpfy.train.grads.layout.Units`.
+    user-level DP-SGD (:mod:`dpfy.train.user_level`), whose sensitivity is C because the whole group
+    is the protected record. Both are laid out by :class:`dpfy.train.grads.layout.Units`.
     Afterwards every trainable ``p.grad`` is **None**: the non-private gradient of the backward
     pass is discarded, so an optimizer cannot step on it by accident. An empty batch (n = 0), or
     no backward since the last call, adds nothing and reports 0 examples; it never raises, and
     the optimizer must still add noise (DESIGN rule 3). ``noise`` (a :class:`NoiseStart`, on
     the last physical batch of a logical batch) opens the named parameters' sums from their
-    noise before any layer is summed (each exactly once, also on an empty batch); clipped
+    noise just before each layer is summed (each exactly once, also on an empty batch); clipped
     sums are then added into them in place (rules with ``add_clipped_sum`` write their products
     straight in), so a step holds no second parameter-sized buffer; see
     :class:`dpfy.train.optim.DPOptimizer`. ``engine.summing`` says whether a logical batch's sum is

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal, Protocol
 
 import torch
@@ -46,17 +46,17 @@ class ClipResult:
 class NoiseStart(Protocol):
     """How the parameters' sums start from their noise on the last physical batch of a step.
 
-    Before the clipped sums are formed, the engine opens every named parameter's sum that does
-    not exist yet as the tensor ``open`` returns for it — already holding its noise — and the
-    rules add their products into it in place: one parameter-sized buffer per parameter, and no
-    noise held through the forward and backward passes. A sum formed on earlier physical
-    batches gets its noise from ``add`` once it is complete. Each name gets exactly one.
+    The engine opens each named parameter's running sum just before its layer is summed, as a
+    tensor ``fill`` writes the noise into, and rules add their products into it in place (one
+    parameter-sized buffer per parameter, and the noise drawn when it is needed, not held
+    through the forward and backward passes). A sum that already existed (earlier physical
+    batches) gets its noise from ``add`` once it is complete. Each name gets exactly one.
     """
 
     names: frozenset[str]
 
-    def open(self, names: list[str]) -> dict[str, Tensor]:
-        """Fresh tensors shaped like these parameters, each holding its noise (contiguous)."""
+    def fill(self, name: str, out: Tensor) -> None:
+        """Overwrite ``out``, the sum of parameter ``name`` about to be opened, with noise."""
         ...
 
     def add(self, name: str, total: Tensor) -> None:
@@ -91,6 +91,7 @@ class GradEngine:
                 self.params[param_names[id(param)]] = param
         self._acc: dict[str, Tensor] = {}
         self._summing = False  # a logical batch's sum is open (begun, or added to)
+        self._noised: set[str] = set()  # NoiseStart names already given their noise this call
         self.num_examples = 0  # examples accumulated since the last reset
         self._grads_before: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._state_before: list[tuple[int, int]] = []
@@ -148,7 +149,7 @@ class GradEngine:
         non-private gradient of the backward pass is discarded so it cannot be used by accident.
         An empty batch (or no backward since the last call) adds nothing and reports 0 examples.
         ``noise`` (last physical batch of a logical batch only) starts the named parameters'
-        sums from their noise (see :class:`NoiseStart`). ``scale`` multiplies each
+        sums from noise filled in meanwhile (see :class:`NoiseStart`). ``scale`` multiplies each
         clipped unit gradient before it is summed (the private optimizer passes 1/B, so the sum
         is the average without a pass over the parameters); the reported norms are unscaled.
         """
@@ -167,10 +168,10 @@ class GradEngine:
             # The norms and sums are data, not part of any graph: under autograd every layer's
             # captured tensors would stay alive in their history until the step ended.
             with torch.no_grad():
-                earlier = self._open_from_noise(noise) if noise is not None else []
-                result = self._clip_batch(clip, loss_reduction, group, groups, scale)
-                for name in earlier:
-                    noise.add(name, self._acc[name])  # type: ignore[union-attr]
+                self._noised = set()
+                result = self._clip_batch(clip, loss_reduction, group, groups, noise, scale)
+                if noise is not None:
+                    self._finish_noise(noise)
                 return result
         finally:
             self._release()
@@ -181,6 +182,7 @@ class GradEngine:
         loss_reduction: LossReduction,
         group: int,
         groups: Tensor | None,
+        noise: NoiseStart | None,
         sum_scale: float,
     ) -> ClipResult:
         """Clip the captured batch's units and add their clipped sum (× ``sum_scale``)."""
@@ -203,7 +205,7 @@ class GradEngine:
             norms.mul_(scale)
         # min(1, C/‖g‖), as C / norms computes it (1/‖g‖ · C); a zero norm: C/0 = ∞ → 1
         factors = torch.reciprocal(norms).mul_(clip).clamp_max_(1.0)
-        self._accumulate(factors.mul_(scale * sum_scale))
+        self._accumulate(factors.mul_(scale * sum_scale), noise)
         self.num_examples += n
         # Formed under no_grad, so nothing to detach from (detach() would be one more call).
         return ClipResult(norms.detach() if norms.requires_grad else norms, n, units.count)
@@ -256,23 +258,26 @@ class GradEngine:
         """Σ_u weights[u]·grad_u by parameter name, for the calls of the last norms."""
         raise NotImplementedError
 
-    def _accumulate(self, weights: Tensor) -> None:
+    def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:
         """Add Σ_u weights[u]·grad_u into the running sums (engines may add in place)."""
         for name, value in self._unit_weighted_sums(weights).items():
-            self._add_into(name, self._acc.get(name), value)
+            self._add_into(name, self._slot(name, noise), value)
 
-    def _open_from_noise(self, noise: NoiseStart) -> list[str]:
-        """Open every named sum not yet begun from its noise; the names of those begun earlier.
+    def _slot(self, name: str, noise: NoiseStart | None) -> Tensor | None:
+        """The running sum of ``name`` to add into; opened from noise where ``noise`` says so.
 
-        The noise of the new sums is drawn at once (one draw per dtype and device), in the
-        parameters' order; sums formed on earlier physical batches get theirs once complete.
+        None: no sum yet and no noise to start from — the first sum becomes the running sum.
         """
-        fresh = [name for name in self.params if name in noise.names and name not in self._acc]
-        earlier = [name for name in self.params if name in noise.names and name in self._acc]
-        if fresh:
-            self._acc.update(noise.open(fresh))
-            self._summing = True
-        return earlier
+        if name in self._acc:
+            return self._acc[name]
+        if noise is None or name not in noise.names or name in self._noised:
+            return None
+        self._noised.add(name)
+        total = torch.empty_like(self.params[name], memory_format=torch.contiguous_format)
+        noise.fill(name, total)
+        self._acc[name] = total
+        self._summing = True
+        return total
 
     def _add_into(self, name: str, slot: Tensor | None, value: Tensor) -> None:
         """Add one parameter's sum into its running sum (or start the sum with it)."""
@@ -282,6 +287,24 @@ class GradEngine:
         if value.shape != slot.shape or value.dtype != slot.dtype:  # (two calls fewer if not)
             value = value.reshape(slot.shape).to(slot.dtype)
         slot.add_(value)
+
+    def _finish_noise(self, noise: NoiseStart) -> None:
+        """Give every named parameter its noise: sums formed before get it added, others filled."""
+        if noise.names <= self._noised:  # every sum was opened from its noise (the fast engine)
+            return
+        # One stream order however the names are reached: largest first, as the engines open them.
+        for name in self._largest_first(noise.names):
+            if name in self._noised:
+                continue
+            if name in self._acc:
+                noise.add(name, self._acc[name])
+                self._noised.add(name)
+            else:  # no gradient reached it: the sum is its noise alone
+                self._slot(name, noise)
+
+    def _largest_first(self, names: Iterable[str]) -> list[str]:
+        """Parameter names, largest first (ties by name): the order sums are opened from noise."""
+        return sorted(names, key=lambda name: (-self.params[name].numel(), name))
 
     def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
         """Engine-specific refusals (the fast engine refuses repeated calls)."""

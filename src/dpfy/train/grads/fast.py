@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from dpfy.train.grads.capture import Call, Tap, release
-from dpfy.train.grads.engine import GradEngine
+from dpfy.train.grads.engine import GradEngine, NoiseStart
 from dpfy.train.grads.layout import Units, prepare_call
 from dpfy.train.grads.registry import LayerRule, find_rule
 from dpfy.train.grads.rows import Rows
@@ -90,11 +90,11 @@ class FastEngine(GradEngine):
         assert total is not None
         return total
 
-    def _accumulate(self, weights: Tensor) -> None:
+    def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:
         """Add each layer's clipped sum into the running sums (in place where its rule can).
 
-        A sum opened from its noise is added into in place, so no second parameter-sized tensor
-        is held.
+        With ``noise``, a named parameter's sum is opened from its noise just before its layer
+        is summed, so the product adds into it and no second parameter-sized tensor is held.
         """
         try:
             while self._pending:  # release each layer's captures as soon as it is summed
@@ -102,7 +102,7 @@ class FastEngine(GradEngine):
                 names = self._layer_names[tap.name]
                 into = {}
                 for local, name in names.items():
-                    slot = self._acc.get(name)
+                    slot = self._slot(name, noise)
                     if slot is not None:
                         into[local] = slot
                 if grouped is not None:  # per-example rows: added in place where a sum is open
@@ -124,9 +124,10 @@ class FastEngine(GradEngine):
             self._pending = []
 
     def _model_names(self, tap: Tap) -> dict[str, str]:
-        """The layer's trainable parameters: local name → name in the model."""
+        """The layer's trainable parameters, largest first: local name → name in the model."""
         return self._layer_names[tap.name]
 
     def _names_of(self, tap: Tap) -> dict[str, str]:
         """:meth:`_model_names` of one layer, worked out once when the engine is made."""
-        return {n: self._names[id(getattr(tap.module, n))] for n in tap.trainable}
+        local = {self._names[id(getattr(tap.module, n))]: n for n in tap.trainable}
+        return {local[name]: name for name in self._largest_first(local)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -99,35 +100,17 @@ def make_mechanism(
     return MECHANISMS[plan.mechanism](plan, params, source, std)
 
 
-class _FlatNoise:
-    """The engine's :class:`NoiseStart`: the new sums' noise in one draw per dtype and device.
+@dataclass(frozen=True)
+class _NoiseInto:
+    """The engine's :class:`NoiseStart`: every parameter's sum opens from its noise, drawn now."""
 
-    Each parameter's sum is a view of its group's flat buffer (contiguous, shaped like the
-    parameter), so a step draws its noise in as few kernel launches as the layout allows and
-    holds no second parameter-sized buffer. Sums formed on earlier physical batches get theirs
-    one parameter at a time (:meth:`add`), so virtual batching holds no extra buffer either.
-    """
+    names: frozenset[str]
+    source: NoiseSource
+    std: float
 
-    def __init__(self, params: Mapping[str, torch.Tensor], source: NoiseSource, std: float):
-        self.params = params
-        self.names = frozenset(params)
-        self.source = source
-        self.std = std
-
-    def open(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The noise of each named parameter, as views of one noised buffer per dtype and device."""
-        groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
-        for name in names:
-            param = self.params[name]
-            groups.setdefault((param.dtype, param.device), []).append(name)
-        opened = {}
-        for (dtype, device), members in groups.items():
-            sizes = [self.params[name].numel() for name in members]
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-            fill_with_noise(self.source, flat, self.std)
-            for name, view in zip(members, flat.split(sizes), strict=True):
-                opened[name] = view.view(self.params[name].shape)
-        return opened
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        """Draw the noise of one parameter into the sum about to be opened."""
+        fill_with_noise(self.source, out, self.std)
 
     def add(self, name: str, total: torch.Tensor) -> None:
         """Add the noise of one parameter into a sum formed on earlier physical batches."""
@@ -141,8 +124,8 @@ class GaussianMechanism:
     engine opens it (no parameter-sized temporary); DP-FedAvg's rounds use :meth:`add_to`.
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], source: NoiseSource, std: float):
-        self.params = params
+    def __init__(self, names: frozenset[str], source: NoiseSource, std: float) -> None:
+        self.names = names
         self.source = source
         self.std = std
 
@@ -151,7 +134,7 @@ class GaussianMechanism:
 
     def opening(self) -> NoiseStart:
         """Each sum opens from its noise."""
-        return _FlatNoise(self.params, self.source, self.std)
+        return _NoiseInto(self.names, self.source, self.std)
 
     def sampling(self, record: SamplingRecord, batch: DrawnBatch) -> SamplingRecord:
         """Every step is accounted as the sampler's record says."""
@@ -180,7 +163,7 @@ def _gaussian(
     plan: PrivacyPlan, params: Mapping[str, torch.Tensor], source: NoiseSource, std: float
 ) -> NoiseMechanism:
     """DP-SGD's noise (guide alg. 1)."""
-    return GaussianMechanism(params, source, std)
+    return GaussianMechanism(frozenset(params), source, std)
 
 
 class TreeAggregationMechanism:
