@@ -191,7 +191,7 @@ def test_the_plan_round_trips_as_a_plain_dict():
 
 def test_a_federated_plan_is_not_trained_by_make_private():
     net = model()
-    with pytest.raises(ValueError, match="dpfy.federated"):
+    with pytest.raises(ValueError, match=r"dpfy\.federated"):
         dpfy.make_private(
             net, torch.optim.SGD(net.parameters(), lr=0.1), data(), batch_size=8, delta=1e-5,
             max_grad_norm=1.0, noise_multiplier=1.0, steps=3, algorithm="dp-fedavg",

@@ -20,8 +20,8 @@ Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enfor
   the engine clipped and noised: anything else is refused before anything changes.
 
 Independent noise is drawn in one place, on the training thread (on the parameters' device): on
-the last physical batch of a step the engine opens every parameter's sum from its noise, drawn
-at once per dtype and device, and adds the clipped sums into it in place, so a step holds one
+the last physical batch of a step the engine opens each parameter's sum from its noise just
+before that layer is summed, and adds the clipped sum into it in place, so a step holds one
 parameter-sized buffer per parameter.
 """
 
