@@ -93,6 +93,12 @@ class NoNoise:
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
         return torch.zeros_like(like)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: the zeros have no stream."""
+
 
 def step(private: dpfy.PrivateTraining, x: torch.Tensor, y: torch.Tensor) -> None:
     private.optimizer.zero_grad()

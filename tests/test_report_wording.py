@@ -34,6 +34,8 @@ N, B, DELTA = 1_000, 50, 1e-5
 
 def plan(**changes) -> PrivacyPlan:
     base = PrivacyPlan(N, B, B / N, 4, 1.0, 1.0, DELTA, None, "pld", "poisson", None, "mean")
+    if changes.get("sampler") in RELATIONS:
+        changes = {"relation": RELATIONS[changes["sampler"]], **changes}
     return dataclasses.replace(base, **changes)
 
 
@@ -116,12 +118,24 @@ VARIANTS = {
         "at most 3 of their examples",
     ),
     "dp-ftrl, tree-shuffle": (
-        {"algorithm": "dp-ftrl", "sampler": "tree-shuffle"},
+        {
+            "algorithm": "dp-ftrl",
+            "sampler": "tree-shuffle",
+            "mechanism": "tree-aggregation",
+            "restart_every": 20,
+            "tree": "efficient",
+        },
         "taken in a shuffled order",
         "B/N (batch fraction; nothing is sampled)",
     ),
     "dp-ftrl, tree-fixed-order": (
-        {"algorithm": "dp-ftrl", "sampler": "tree-fixed-order"},
+        {
+            "algorithm": "dp-ftrl",
+            "sampler": "tree-fixed-order",
+            "mechanism": "tree-aggregation",
+            "restart_every": 20,
+            "tree": "efficient",
+        },
         "NO sampling assumption",
         "taken in a fixed order",
     ),

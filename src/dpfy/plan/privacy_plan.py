@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.plan.sampling import TREE_KINDS, SamplingKind, SamplingRecord
+from dpfy.plan.tree_events import check_tree, resolve_restart
+
+#: The noise mechanisms a plan can name (each is registered in dpfy.train.noise.mechanisms).
+MECHANISM_NAMES = ("gaussian", "tree-aggregation")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,36 @@ class PrivacyPlan:
     mechanism: str = "gaussian"
     restart_every: int | None = None
     tree: str | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a plan whose noise mechanism, sampling and relation do not fit together.
+
+        Tree aggregation is accounted per tree node under an order-keeping relation, and only
+        over batches taken in order; independent Gaussian noise on batches taken in tree order
+        would be charged nothing per step. A hand-built plan must meet the same rules as a
+        resolver's.
+        """
+        tree_order = self.sampler in {kind.value for kind in TREE_KINDS}
+        if self.mechanism not in MECHANISM_NAMES:
+            raise ValueError(
+                f"mechanism must be one of {', '.join(MECHANISM_NAMES)}; got {self.mechanism!r}"
+            )
+        if tree_order != (self.mechanism == "tree-aggregation"):
+            raise ValueError(
+                f"the {self.mechanism} mechanism does not fit sampler {self.sampler!r}: "
+                "tree aggregation takes batches in tree order ('tree-shuffle', "
+                "'tree-fixed-order') and they take tree aggregation"
+            )
+        if self.mechanism == "tree-aggregation":
+            if self.relation == "add-or-remove":
+                raise ValueError(
+                    "tree aggregation keeps the stream's order, so it is accounted under "
+                    "zero-out (or replace-one) adjacency, not add-or-remove"
+                )
+            check_tree(str(self.tree))
+            resolve_restart(self.restart_every, self.dataset_size // self.expected_batch_size)
+        elif self.restart_every is not None or self.tree is not None:
+            raise ValueError("restart_every and tree belong to tree aggregation; leave them None")
 
     @property
     def sensitivity_factor(self) -> float:

@@ -20,7 +20,7 @@ from dpfy.plan.accounting.calibrate import smallest_noise_multiplier
 from dpfy.plan.accounting.events import DpEvent, NeighbouringRelation, SelfComposedEvent
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord, parse_order
-from dpfy.plan.tree_events import ftrl_step_events, resolve_restart
+from dpfy.plan.tree_events import check_tree, ftrl_step_events, resolve_restart
 
 __all__ = ["PlanRequest", "make_plan", "register_resolver", "resolver_key", "resolver_keys"]
 
@@ -251,7 +251,7 @@ def _dp_ftrl(request: PlanRequest) -> PrivacyPlan:
     kind = parse_order(request.sampler)
     per_epoch = request.records // request.batch_size
     k = resolve_restart(request.restart_every, per_epoch)
-    tree = "efficient" if request.tree is None else str(request.tree)
+    tree = check_tree("efficient" if request.tree is None else str(request.tree))
     relation = NeighbouringRelation.ZERO_OUT  # the stream's order is kept (App. D)
     record = SamplingRecord(
         kind, request.batch_size / request.records, request.records, request.batch_size

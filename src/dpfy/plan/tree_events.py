@@ -32,6 +32,16 @@ from dpfy.plan.accounting.events import (
     TreeAggregationEvent,
 )
 
+#: The tree estimators (dpfy.train.noise.tree): the nodes as drawn, or Honaker's (2015).
+TREE_ESTIMATORS = ("plain", "efficient")
+
+
+def check_tree(tree: str) -> str:
+    """A known tree estimator, or one error listing them."""
+    if tree not in TREE_ESTIMATORS:
+        raise ValueError(f"tree must be one of {', '.join(TREE_ESTIMATORS)}; got {tree!r}")
+    return tree
+
 
 def resolve_restart(restart_every: int | str | None, steps_per_epoch: int) -> int:
     """The tree length k: ``"epoch"``/None = one tree per epoch, or a divisor of the epoch.

@@ -168,12 +168,12 @@ def make_private(
             boundary=boundary,
             aggregator=replicas.aggregator(),
         )
+        run_loader = with_virtual_batches(loader, max_physical_batch_size, boundary)
         replicas.check_agreement({**asdict(plan), "parameters": trainable_shapes(model)})
         replicas.broadcast_model(model)
     except Exception:
         grad_engine.detach()
         raise
-    run_loader = with_virtual_batches(loader, max_physical_batch_size, boundary)
     return PrivateTraining(
         model, private_optimizer, run_loader, ledger, grad_engine, plan, noise, replicas
     )

@@ -34,6 +34,7 @@ from dpfy.plan.accounting.events import (
     ComposedEvent,
     DpEvent,
     NeighbouringRelation,
+    NoOpEvent,
     SelfComposedEvent,
 )
 from dpfy.plan.sampling import SamplingRecord
@@ -142,7 +143,7 @@ class PrivacyLedger:
             self._sized_steps += 1
         if self._headroom is not None and self._headroom.step == plain:
             self._headroom.room -= 1  # exactly one of the counted steps is now spent
-        else:
+        elif not isinstance(event, NoOpEvent):  # a no-op adds nothing: the count stays exact
             self._headroom = None
         if not step.sampling.assumption_met and not self._warned_assumption:
             self._warned_assumption = True
@@ -239,8 +240,8 @@ class PrivacyLedger:
         step changes or something else is recorded.
         """
         event = self._validate_step(step, relation)
-        if self.target_epsilon is None:
-            return
+        if self.target_epsilon is None or isinstance(event, NoOpEvent):
+            return  # a step that releases nothing cannot take ε past any target
         if self._room(step, event) < 1:
             raise BudgetExhausted(self.epsilon(), self.target_epsilon, self.delta, step.describe())
 
@@ -251,7 +252,8 @@ class PrivacyLedger:
         then bisection (about 2·log₂ m* accountant queries) and cached with the step. Each
         :meth:`record` of that same step lowers the cached count by one, which keeps it exact:
         after k such records the ledger is "ledger + k × step" and m* − k more steps fit. Any
-        other change — a different step, a labelled event, a load — drops the cache. Every m
+        other change — a different step, a labelled event, a load — drops the cache, except a step
+        whose event is a no-op (it adds nothing to ε, so the count stays exact). Every m
         the search returns was itself checked with the accountant (the lower end of the
         bisection is always a verified fit), and ε never decreases as steps are added, so no
         cached count can admit an over-budget step.

@@ -91,11 +91,7 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("plan must be the run's PrivacyPlan (dpfy.plan.resolvers.make_plan)")
         if plan.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {plan.loss_reduction!r}")
-        if ledger.relation.value != plan.relation:  # ε under another relation is another claim
-            raise ValueError(
-                f"the ledger accounts {ledger.relation.value} neighbours but the plan's guarantee "
-                f"holds for {plan.relation}: PrivacyLedger(delta, relation={plan.relation!r})"
-            )
+        _check_ledger_fits(ledger, plan)
         if sampling != plan.sampling_record():
             raise ValueError(
                 f"the sampler reports {sampling} but the plan was made for "
@@ -174,10 +170,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self._guarded(self.provenance.check_size, batch, self.engine.num_examples)
         self._guarded(self.ledger.check_step, record)  # BudgetExhausted before anything changes
         self._write_private_grads()
-        self.original_optimizer.step()
-        self.ledger.record(record)
-        self.provenance.consume(batch)
-        self.engine.reset()
+        try:  # the privatised gradient now exists: it is accounted whatever the update does
+            self.original_optimizer.step()
+        finally:
+            self.ledger.record(record)
+            self.provenance.consume(batch)
+            self.engine.reset()
         return loss
 
     def _take_batch(self) -> DrawnBatch:
@@ -291,4 +289,20 @@ class DPOptimizer(torch.optim.Optimizer):
             f"DPOptimizer({type(self.original_optimizer).__name__}, σ={s.noise_multiplier:.4g}, "
             f"C={s.max_grad_norm:.4g}, B={s.expected_batch_size:g}, noise={s.mechanism}, "
             f"engine={self.engine.kind})"
+        )
+
+
+def _check_ledger_fits(ledger: PrivacyLedger, plan: PrivacyPlan) -> None:
+    """The ledger must account the plan's claim: its relation, δ, accountant and budget.
+
+    ε under another relation or δ is another claim, and a ledger without the plan's target
+    would switch the budget guard off.
+    """
+    mine = (ledger.relation.value, ledger.delta, ledger.accountant, ledger.target_epsilon)
+    planned = (plan.relation, plan.delta, plan.accountant, plan.target_epsilon)
+    if mine != planned:
+        raise ValueError(
+            f"the ledger accounts (relation, δ, accountant, target ε) = {mine} but the plan "
+            f"was made for {planned}: PrivacyLedger(delta, accountant=..., target_epsilon=..., "
+            "relation=...) with the plan's values"
         )

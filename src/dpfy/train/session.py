@@ -55,10 +55,15 @@ class PrivateTraining:
         self.ledger = ledger
         self.engine = engine
         self.plan = plan
-        self.noise = noise
+        optimizer.noise = noise
         self.replicas = replicas if replicas is not None else SingleProcess()
         if ledger.run_id is None:  # one identity for all ranks, drawn by the writer
             ledger.run_id = self.replicas.on_writer(lambda: secrets.token_hex(8))
+
+    @property
+    def noise(self) -> NoiseSource:
+        """The source the run's noise is drawn from (the optimizer's: one source, one state)."""
+        return self.optimizer.noise
 
     @property
     def noise_multiplier(self) -> float:
@@ -102,7 +107,9 @@ class PrivateTraining:
         Refused: a checkpoint whose content changed since it was written, or whose ledger does
         not belong with its sampler state (another run's, an earlier one, an emptied one). Going
         back to an earlier checkpoint of this same run keeps what was spent since: those steps
-        are carried in the ledger as :data:`REWOUND` releases, so ε never goes down.
+        are carried in the ledger as :data:`REWOUND` releases, so ε never goes down, and the
+        noise stream is not rewound with it (replaying the same noise on a changed gradient
+        would reveal their difference). A DP-FTRL run cannot go back at all.
         """
         state = unseal(state)
         mine = self.replicas.mine(state["loader"])  # another number of ranks: refused by name
@@ -114,7 +121,15 @@ class PrivateTraining:
                 "make_private arguments. Nothing was loaded."
             )
         ledger = PrivacyLedger.from_state_dict(state["ledger"])  # validates before any change
-        _check_binding(ledger, state["run"], mine)
+        _check_binding(ledger, state["run"], mine, state["mechanism"])
+        rewound = self.ledger.spent_beyond(ledger) if ledger.run_id == self.run_id else {}
+        if rewound and self.plan.mechanism != "gaussian":
+            raise ValueError(
+                f"the checkpoint is an earlier point of this {self.plan.algorithm} run: training "
+                f"on from it would release again tree nodes that already hold its examples, "
+                "which the ledger cannot charge. Nothing was loaded — resume from the latest "
+                "checkpoint, or start a new run"
+            )
         backup = {
             "model": copy.deepcopy(self.model.state_dict()),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -126,7 +141,8 @@ class PrivateTraining:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.loader.load_state_dict(mine)
-            self.noise.load_state_dict(self.replicas.mine(state["noise"]))
+            if not rewound:  # going back keeps drawing fresh noise: none is ever replayed
+                self.noise.load_state_dict(self.replicas.mine(state["noise"]))
             self.optimizer.mechanism.load_state_dict(state["mechanism"])
         except Exception as err:
             self.model.load_state_dict(backup["model"])
@@ -137,7 +153,6 @@ class PrivateTraining:
             raise ValueError(
                 f"the checkpoint does not fit this run ({err}); nothing was loaded"
             ) from None
-        rewound = self.ledger.spent_beyond(ledger) if ledger.run_id == self.run_id else {}
         self.ledger.load_state_dict(ledger.state_dict())
         for (label, event), count in rewound.items():
             self.ledger.record_event(
@@ -194,11 +209,12 @@ class PrivateTraining:
         )
 
 
-def _check_binding(ledger: PrivacyLedger, run: Any, loader_state: Any) -> None:
+def _check_binding(ledger: PrivacyLedger, run: Any, loader_state: Any, mechanism: Any) -> None:
     """The checkpoint's ledger must be this run's and as long as its sampler has stepped.
 
-    Every completed private step records one ledger step and consumes one drawn batch, so the
-    two counts are equal in any checkpoint the run wrote itself.
+    Every completed private step records one ledger step, consumes one drawn batch and, for a
+    mechanism with state across steps, advances it once, so the counts are equal in any
+    checkpoint the run wrote itself.
     """
     if ledger.run_id != run:
         raise ValueError(
@@ -214,4 +230,11 @@ def _check_binding(ledger: PrivacyLedger, run: Any, loader_state: Any) -> None:
             f"says {stepped} batches were stepped on: the ledger is from another point of the "
             "run (or was emptied). Nothing was loaded — resume from a checkpoint as the run "
             "wrote it"
+        )
+    advanced = mechanism.get("steps_done", ledger.steps) if isinstance(mechanism, dict) else None
+    if advanced != ledger.steps:
+        raise ValueError(
+            f"the checkpoint's noise mechanism has advanced {advanced} steps but its ledger "
+            f"records {ledger.steps}: they are from different points of the run. Nothing was "
+            "loaded — resume from a checkpoint as the run wrote it"
         )

@@ -271,7 +271,9 @@ class TreeAggregationMechanism:
         ):
             raise ValueError("the DP-FTRL state is for other parameters than this model's")
         self.tree.load_state_dict(state["tree"])
-        self._released = {name: t.clone() for name, t in released.items()}
+        self._released = {  # onto the parameters' devices (checkpoints load on the CPU)
+            name: t.to(self._released[name], copy=True) for name, t in released.items()
+        }
         self.steps_done = int(state["steps_done"])
 
 

@@ -179,5 +179,7 @@ class TreeNoise:
                 node[k].shape != self._like[k].shape for k in node
             ):
                 raise ValueError("tree state is for other parameters than this model's")
-        self._stack = [(lv, {k: v.clone() for k, v in node.items()}) for lv, node in stack]
+        self._stack = [  # onto the parameters' devices (checkpoints load on the CPU)
+            (lv, {k: v.to(self._like[k], copy=True) for k, v in node.items()}) for lv, node in stack
+        ]
         self.steps = steps
