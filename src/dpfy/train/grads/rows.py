@@ -2,9 +2,8 @@
 
 A convolution's per-example weight gradients are formed a few batch slices at a time
 (:func:`dpfy.train.grads.layout.batch_slices`: the kernel's working buffers scale with the slice).
-Joining the slices into one (B, F) tensor is a copy as large as all of them: 1.7–3.3 ms of a
-140 ms step for the CNN benchmark's second convolution (19 MB) at one thread, with both copies
-alive at once. The norms and the weighted sum of the clipped sum read each slice where it is
+Joining the slices into one (B, F) tensor is a copy as large as all of them, with both copies
+alive at once (its cost: docs/performance.md). The norms and the weighted sum of the clipped sum read each slice where it is
 instead; the slices are joined only when a clipping unit spans several examples.
 """
 
