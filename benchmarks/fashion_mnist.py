@@ -271,6 +271,9 @@ def markdown(record: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Train, print per-epoch progress, write the results; 0 when the paper's 86.0 % is met."""
+    from dpfy.train.cpu_allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the dpfy command does: reuse a step's freed CPU memory
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

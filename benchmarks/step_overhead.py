@@ -11,11 +11,11 @@ allocator events, in one subprocess per (case, method)).
 Ratios are against non-private SGD of the same run; Opacus runs in each ``grad_sample_mode``
 that works.
 ``dpfy_*`` steps include clipping, Gaussian noise on every parameter and the SGD update;
-``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. On glibc,
-building a dpfy engine has ``malloc`` keep freed memory for the next step
-(:mod:`dpfy.train.cpu_allocator`); that is process-wide and happens before any step is timed, so
-every
-method here, non-private included, runs under it (``DPFY_KEEP_FREED_MEMORY=0``: none does).
+``dpfy_fast_nonoise`` leaves out the noise draw to show the engine's own cost. On glibc, the
+benchmark has ``malloc`` keep freed memory for the next step
+(:func:`dpfy.train.cpu_allocator.keep_freed_memory`, as the ``dpfy`` command does); that is
+process-wide and happens before anything is timed, so every method here, non-private included,
+runs under it (``DPFY_KEEP_FREED_MEMORY=0``: none does).
 Results go to ``benchmarks/results/step_overhead.json`` (``--out``; the README's run, at
 default threads, writes ``step_overhead_all_threads.json``).
 """
@@ -294,6 +294,9 @@ def measure_times(
 
 def main() -> None:
     """Time methods per case in one process (see ``LIGHT``); memory in one subprocess each."""
+    from dpfy.train.cpu_allocator import keep_freed_memory
+
+    keep_freed_memory()  # process-wide, before anything is timed (see the module docstring)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--models", nargs="+", default=["mlp", "cnn", "transformer"], choices=list(CASES)

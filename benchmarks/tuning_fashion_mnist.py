@@ -74,6 +74,9 @@ def _markdown(summary: dict, seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run, print, write the results; exit 0 when the tuned run is at least the default."""
+    from dpfy.train.cpu_allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the dpfy command does: reuse a step's freed CPU memory
     args = _arguments(argv)
     public = "a declared-public 30% split of the training data, never used privately"
     config = TuneConfig(

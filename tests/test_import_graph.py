@@ -17,7 +17,7 @@ SOURCE = Path(dpfy.__file__).parent
 STAGES = ("plan", "data", "train", "tune", "federated", "report", "jobs", "cli")
 #: Each layer may import only the layers before it (the order the README states).
 LAYERS = (
-    ("_validate",),
+    ("dpfy", "_validate"),  # the root package imports no module (its names load lazily)
     ("plan",),
     ("data",),
     ("train",),

@@ -23,11 +23,13 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
+from dpfy import __version__
 from dpfy.federated.config import FederatedConfig
 from dpfy.jobs.config import MAX_EPOCHS, OPTIMIZER_NAMES, UNIT_NAMES, TrainConfig
 from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.plan.accounting.events import MAX_STEPS
+from dpfy.train.cpu_allocator import keep_freed_memory
 
 USAGE_ERROR = 2
 
@@ -71,6 +73,25 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    """``--version``: the package version, then exit."""
+    if value:
+        typer.echo(f"dpfy {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Train machine-learning models with differential privacy: plan, account, train, report."""
 
 
 class AccountantChoice(str, Enum):
@@ -437,7 +458,12 @@ def federated(
 
 
 def main() -> None:
-    """Console entry point."""
+    """Console entry point: the command's own process keeps freed CPU memory for reuse.
+
+    Training steps allocate and free the same large temporaries; the CLI owns its process, so it
+    asks malloc to keep them (``DPFY_KEEP_FREED_MEMORY=0`` leaves malloc alone).
+    """
+    keep_freed_memory()
     app(prog_name="dpfy")
 
 

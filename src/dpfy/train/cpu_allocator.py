@@ -10,9 +10,11 @@ freed GPU memory for reuse in the same way; on the CPU torch leaves it to ``mall
 
 :func:`keep_freed_memory` serves blocks up to 32 MiB (glibc's largest mmap threshold on 64-bit)
 from the heap and trims the heap only when more than 1 GiB at its top is free. The process's
-resident memory then stays at its peak instead of shrinking between steps. It is process-wide;
-``make_engine`` applies it for models on the CPU. Set ``DPFY_KEEP_FREED_MEMORY=0`` to leave
-``malloc`` as it is. Other C libraries (musl, macOS, Windows) are left alone.
+resident memory then stays at its peak instead of shrinking between steps. It is process-wide,
+and a library must not change its host process's allocator on its own, so nothing in dpfy calls it
+implicitly: the ``dpfy`` command and the benchmarks turn it on (and say so), and a training
+script may call it itself. ``DPFY_KEEP_FREED_MEMORY=0`` makes the call a no-op. Other C
+libraries (musl, macOS, Windows) are left alone.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from typing import Literal
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dpfy.train.cpu_allocator import keep_freed_memory
 from dpfy.train.grads import rules as _rules  # noqa: F401 - registers the layer rules
 from dpfy.train.grads.capture import Tap
 from dpfy.train.grads.engine import WATCHED, GradEngine
@@ -109,9 +108,7 @@ def make_engine(
 
     ``engine="auto"`` picks ``"fast"`` when every trainable layer has a rule, else ``"vmap"``
     (``fallback_reason`` says which layer forced it). ``batch_first`` says whether every watched
-    layer sees the batch in dim 0 (True) or dim 1 (sequence-first models). For a model on the
-    CPU it also has ``malloc`` keep freed memory for the next step
-    (:func:`dpfy.train.cpu_allocator.keep_freed_memory`; ``DPFY_KEEP_FREED_MEMORY=0`` turns it off).
+    layer sees the batch in dim 0 (True) or dim 1 (sequence-first models).
     """
     if engine not in ("auto", "fast", "vmap"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'vmap', got {engine!r}")
@@ -134,8 +131,6 @@ def make_engine(
                 f"with batch_first={batch_first}; they must agree"
             )
     kind = "fast" if engine == "fast" or (engine == "auto" and blocker is None) else "vmap"
-    if any(p.device.type == "cpu" for p in model.parameters()):
-        keep_freed_memory()
     names = {id(p): n for n, p in model.named_parameters()}
     substitutions = substitute(model)
     try:

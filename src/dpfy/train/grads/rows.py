@@ -3,8 +3,9 @@
 A convolution's per-example weight gradients are formed a few batch slices at a time
 (:func:`dpfy.train.grads.layout.batch_slices`: the kernel's working buffers scale with the slice).
 Joining the slices into one (B, F) tensor is a copy as large as all of them, with both copies
-alive at once (its cost: docs/performance.md). The norms and the weighted sum of the clipped sum read each slice where it is
-instead; the slices are joined only when a clipping unit spans several examples.
+alive at once (its cost: docs/performance.md). The norms and the weighted sum of the clipped
+sum read each slice where it is instead; the slices are joined only when a clipping unit spans
+several examples.
 """
 
 from __future__ import annotations
