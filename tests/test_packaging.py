@@ -29,3 +29,14 @@ def test_dpfy_version_prints_the_installed_version():
     )
     assert done.stdout.strip() == f"dpfy {dpfy.__version__}"
     assert importlib.metadata.version("dpfy") == dpfy.__version__
+
+
+def test_no_text_cites_a_design_document_users_do_not_have():
+    # Docstrings, messages and report sentences state the rule itself (users have no DESIGN.md).
+    source = Path(dpfy.__file__).parent
+    citing = [
+        str(path.relative_to(source))
+        for path in source.rglob("*.py")
+        if "DESIGN" in path.read_text() or " (rule " in path.read_text()
+    ]
+    assert citing == []

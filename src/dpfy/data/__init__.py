@@ -1,7 +1,7 @@
 """Data for private training: samplers that match the accounting, and a loader built on them.
 
 Poisson sampling (q = B/N, empty batches included) is the default; shuffled and fixed-size batches
-exist only as explicit options whose records say they are not Poisson (guide §4.3, DESIGN rule 4).
+exist only as explicit options whose records say they are not Poisson (guide §4.3).
 Real datasets (:mod:`dpfy.data.datasets`) load from installed packages or local files, never from
 the network, and record whether their preprocessing looked at the private data (guide §5.5.1).
 """

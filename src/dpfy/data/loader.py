@@ -98,7 +98,7 @@ class DPDataLoader(DataLoader):
 
     @property
     def sampling_record(self) -> SamplingRecord:
-        """How batches are drawn, for the ledger and report (DESIGN rule 4)."""
+        """How batches are drawn, for the ledger and report."""
         return self.dp_sampler.record
 
     def step_event(self, noise_multiplier: float) -> DpEvent:

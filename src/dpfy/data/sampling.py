@@ -2,9 +2,10 @@
 
 :class:`PoissonSampler` is the default and the only one whose accounting assumption is met at
 every step (guide alg. 1, §4.3): each index joins each batch independently with probability
-q = B/N, batch sizes vary, and an empty batch is yielded as ``[]`` — it is still a step (DESIGN
-rule 3). :class:`ShuffleSampler` and :class:`FixedSizeSampler` exist only as explicit choices and
-their :class:`~dpfy.plan.sampling.SamplingRecord` says plainly that they are not Poisson.
+q = B/N, batch sizes vary, and an empty batch is yielded as ``[]`` — it is still a step, and
+it is accounted. :class:`ShuffleSampler` and :class:`FixedSizeSampler` exist only as explicit
+choices and their :class:`~dpfy.plan.sampling.SamplingRecord` says plainly that they are not
+Poisson.
 
 A sampler is a stream of batches: one iteration (a *pass*) yields exactly ``steps`` batches and
 the next pass continues the same random stream. ``state_dict()`` / ``load_state_dict()`` capture
@@ -60,7 +61,7 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
     @property
     @abc.abstractmethod
     def record(self) -> SamplingRecord:
-        """How this sampler draws batches (DESIGN rule 4)."""
+        """How this sampler draws batches."""
 
     def step_event(self, noise_multiplier: float) -> DpEvent:
         """The event the ledger accounts for one step at noise multiplier σ."""
@@ -238,7 +239,7 @@ class PoissonSampler(DpBatchSampler):
 
     @property
     def expected_batch_size(self) -> float:
-        """qN, the batch size DP-SGD divides by (DESIGN rule 1)."""
+        """qN, the batch size DP-SGD divides by."""
         return self._sampling_rate * self.dataset_size
 
     @property

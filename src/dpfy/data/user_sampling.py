@@ -127,7 +127,7 @@ class UserPoissonSampler(DpBatchSampler):
 
     @property
     def expected_users(self) -> float:
-        """q · N_users, what the user-level update divides by (DESIGN rule 1)."""
+        """q · N_users, what the user-level update divides by."""
         return self._sampling_rate * self.num_users
 
     @property

@@ -7,7 +7,7 @@ language models"):
 * each user's change Δ_u (over *all* trainable parameters together) is scaled to L2 norm ≤ C;
 * the clipped changes are summed and ``N(0, σ²C²)`` is added once per coordinate of the sum;
 * the noisy sum is divided by the **expected** number of users per round B_c = qN, never by the
-  number that actually took part (DESIGN rule 1: the realised count is data-dependent);
+  number that actually took part (the realised count is data-dependent);
 * a malformed or non-finite change is dropped and counts as zero. That is always safe: under
   add/remove-one-user adjacency a user's contribution may be any vector of norm ≤ C, zero
   included, so the sensitivity stays C.
@@ -110,7 +110,7 @@ class ClippedSum:
     def noisy_mean(
         self, noise: NoiseSource, noise_multiplier: float, expected_users: float
     ) -> dict[str, torch.Tensor]:
-        """(Σ clipped Δ + N(0, σ²C²)) / B_c, with B_c the expected user count (DESIGN rule 1).
+        """(Σ clipped Δ + N(0, σ²C²)) / B_c, with B_c the expected user count.
 
         The noise stage is DP-SGD's (:class:`~dpfy.train.noise.mechanisms.GaussianMechanism`),
         at the divisor's scale like the private step's: std σC/B_c on the sum ÷ B_c.

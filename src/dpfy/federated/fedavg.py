@@ -8,7 +8,7 @@ One round (guide §4.4; McMahan et al. 2018):
    learning rate η_c, local batch B_m) on their own data;
 3. each user's model change Δ_u = θ_u − θ is clipped to L2 norm C over all trainable parameters;
 4. the clipped changes are summed, N(0, σ²C²) is added once per coordinate, and the sum is divided
-   by the expected B_c (never by the realised count — DESIGN rule 1);
+   by the expected B_c (never by the realised count, which depends on the data);
 5. the server optimizer applies the noisy average with server learning rate η_s (SGD, momentum,
    Adam…: post-processing).
 
@@ -18,7 +18,7 @@ the user's average gradient (guide §4.4): :meth:`FedAvgConfig.fedsgd`.
 The guarantee is user-level under add/remove-one-user adjacency: all of one user's examples
 together are the protected record. The budget guard runs before a round changes anything.
 Only trainable parameters are averaged (frozen ones are never touched); models with BatchNorm are
-refused (DESIGN rule 8): buffers are not aggregated, so the global running statistics would never
+refused: buffers are not aggregated, so the global running statistics would never
 be learned — use GroupNorm (``dpfy.fix``).
 """
 
@@ -229,7 +229,7 @@ def federated_plan(
 class UserRoundSampler(PoissonSampler):
     """Poisson sampling of user indices, one draw per round; its record's unit is "user".
 
-    The sampler, not the trainer, tells the ledger what was sampled (DESIGN rule 4): q = B_c /
+    The sampler, not the trainer, tells the ledger what was sampled: q = B_c /
     N_users over users, accounted as ``PoissonSampledEvent(q, GaussianEvent(σ))`` per round.
     """
 
@@ -265,7 +265,7 @@ class DPFedAvg:
         server_optimizer: torch.optim.Optimizer | None = None,
         secure: bool = False,
     ) -> None:
-        check_model(model)  # batch-coupled layers are refused (DESIGN rule 8)
+        check_model(model)  # batch-coupled layers are refused
         self.users = check_user_datasets(users)
         if config.clients_per_round > len(self.users):
             raise ValueError(

@@ -1,6 +1,6 @@
 """What a sampler did, stated plainly enough that the ledger and report never have to guess.
 
-DESIGN rule 4: the sampler, not the user, tells the ledger how data was drawn. A sampler hands out
+The sampler, not the user, tells the ledger how data was drawn. A sampler hands out
 a :class:`SamplingRecord`; the ledger turns it into a :class:`~dpfy.plan.accounting.DpEvent` for
 each
 step. Shuffled or fixed-size batches are never silently accounted as Poisson (guide §4.3, §5.3.1):
@@ -96,7 +96,7 @@ class SamplingRecord:
 
     ``sampling_rate`` is q = B/N from the dataset size and the (expected) batch size, never from a
     loader length. ``batch_size`` is the fixed batch size for the non-Poisson kinds and None for
-    Poisson, whose realised size is random and must not influence accounting (DESIGN rule 1).
+    Poisson, whose realised size is random and must not influence accounting.
     ``unit`` is what was sampled: ``"example"``, or ``"user"`` — then ``dataset_size`` counts
     users and q = B_users / N_users (user-level DP, guide §2.1, §4.4).
     """
@@ -153,7 +153,7 @@ class SamplingRecord:
         return self.kind.description
 
     def event(self, noise_multiplier: float) -> DpEvent:
-        """The event accounted for one DP-SGD step with noise multiplier σ (DESIGN rule 4).
+        """The event accounted for one DP-SGD step with noise multiplier σ.
 
         Poisson and shuffle both give ``PoissonSampledEvent(q, GaussianEvent(σ))`` — for the
         shuffle sampler that is an assumption not met, and :attr:`assumption_met` says so.

@@ -99,7 +99,7 @@ def assumptions(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) 
     noised_values = model.trainable
     noise_statement = (
         f"yes — dpfy adds Gaussian noise to every coordinate of all {noised_values:,} trainable "
-        "values at every step, including coordinates whose gradient is zero (DESIGN rule 2)."
+        "values at every step, including coordinates whose gradient is zero."
         if not unnoised
         else f"NO — trainable tensors outside the private optimizer: {', '.join(unnoised)}."
     )

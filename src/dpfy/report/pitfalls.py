@@ -95,7 +95,7 @@ def find_pitfalls(facts: RunFacts) -> tuple[Finding, ...]:
 
 @detector("batch-coupled-layer")
 def batch_coupled_layers(facts: RunFacts) -> Iterator[Finding]:
-    """Layers that mix examples of a batch void per-example clipping (DESIGN rule 8)."""
+    """Layers that mix examples of a batch void per-example clipping."""
     for layer in facts.model.batch_coupled_layers:
         yield Finding(
             "batch-coupled-layer",
@@ -264,7 +264,7 @@ def frozen_parameters(facts: RunFacts) -> Iterator[Finding]:
 
 @detector("unnoised-parameters")
 def unnoised_parameters(facts: RunFacts) -> Iterator[Finding]:
-    """A trainable parameter the engine does not noise would be trained without DP (rule 2)."""
+    """A trainable parameter the engine does not noise would be trained without DP."""
     names = facts.model.unnoised_trainable_names
     if names:
         yield Finding(

@@ -92,7 +92,7 @@ def _render_relation(data: dict[str, Any]) -> list[str]:
 def neighbouring_relation(
     facts: RunFacts, findings: tuple[Finding, ...], words: Wording
 ) -> dict[str, Any]:
-    """Adjacency from the ledger, which refuses to mix relations (DESIGN rule 7)."""
+    """Adjacency from the ledger, which refuses to mix relations."""
     relation = facts.accounting.summary.relation
     meaning = _RELATIONS[relation].format(record=words.unit.record)
     return {

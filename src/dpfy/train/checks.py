@@ -1,6 +1,6 @@
 """Pitfall detectors that run before training starts.
 
-Model part (DESIGN rule 8, guide §5.5.1): batch normalisation computes each example's output from
+Model part (guide §5.5.1): batch normalisation computes each example's output from
 statistics of the whole batch, so an example's "per-example" gradient depends on the other
 examples and clipping it no longer bounds that example's influence. Running statistics kept by
 BatchNorm or by InstanceNorm with ``track_running_stats=True`` are averages of private batches,
@@ -136,7 +136,7 @@ def find_sparse_gradient_layers(model: nn.Module) -> tuple[ModelFinding, ...]:
 
 
 def check_model(model: nn.Module, *, strict: bool = True) -> tuple[ModelFinding, ...]:
-    """Refuse a model with batch-coupled layers (DESIGN rule 8), or list them.
+    """Refuse a model with batch-coupled layers, or list them.
 
     With ``strict`` (the default) any finding raises one ValueError listing every offending layer
     with the reason and the fix; otherwise the findings are returned for a report.

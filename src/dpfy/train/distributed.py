@@ -17,7 +17,7 @@ Why this preserves the single-process guarantee (central DP, guide §3.1, alg. 1
   price is that the shares must be independent: each rank's noise (and sampling) stream is seeded
   separately — from the OS by default, or from :func:`derive_seed` (user seed, rank, purpose) when
   a seed is given.
-- **Division by the global expected batch size** B = qN (DESIGN rule 1), never a local or realised
+- **Division by the global expected batch size** B = qN, never a local or realised
   size; every rank ends with the same noisy averaged gradient and applies the same update.
 - **One ledger.** Every rank records the same step (same σ, q, record) and so holds an identical
   ledger; :func:`ProcessGroupReplicas.verify_ledger` checks it. At start-up
@@ -313,7 +313,7 @@ class ProcessGroupReplicas:
         """Raise unless every rank's ledger accounts the same events (true by construction).
 
         The realised-batch-size diagnostics (``examples_seen``) are local to each rank and left
-        out: they take no part in accounting (DESIGN rule 1).
+        out: they take no part in accounting.
         """
         state = {k: v for k, v in ledger.state_dict().items() if k in _ACCOUNTED}
         gathered: list[Any] = [None] * self.world_size

@@ -1,10 +1,11 @@
 """The privacy ledger: one event per step from what actually happened, and a budget guard.
 
-The ledger is where DESIGN rules 3, 4, 9 and 10 meet. Each DP-SGD step is recorded from the
+The ledger accounts every step, empty ones included, from what the sampler reports; it guards
+the budget, travels in checkpoints and counts tuning runs. Each DP-SGD step is recorded from the
 sampler's :class:`~dpfy.plan.sampling.SamplingRecord` and the noise multiplier σ actually used —
-never from the realised batch size, which must not influence anything privacy-relevant (rule 1).
+never from the realised batch size, which must not influence anything privacy-relevant.
 Tuning runs and other releases are recorded as labelled events and reported beside the training ε
-(guide §5.4.2). The budget guard refuses a step *before* it is applied (rule 9), and the whole
+(guide §5.4.2). The budget guard refuses a step *before* it is applied, and the whole
 ledger travels in checkpoints as plain JSON.
 
 Consecutive identical steps are stored run-length encoded, so a run of 10⁶ steps at one σ and one
@@ -58,7 +59,7 @@ _SEARCH_CAP = 1 << 30
 
 
 class BudgetExhausted(RuntimeError):
-    """One more step would take ε past the target; nothing was applied (DESIGN rule 9)."""
+    """One more step would take ε past the target; nothing was applied."""
 
     def __init__(self, spent: float, target: float, delta: float, step: str) -> None:
         self.spent, self.target, self.delta = spent, target, delta
@@ -164,7 +165,7 @@ class PrivacyLedger:
         """Append ``count`` runs of a release other than a training step, e.g. tuning runs.
 
         Events labelled ``"training"`` count towards the training ε; any other label is reported
-        separately and all of them count towards the total (guide §5.4.2, DESIGN rule 10).
+        separately and all of them count towards the total (guide §5.4.2).
         """
         if not isinstance(label, str) or not label.strip() or label.strip() == TOTAL:
             raise ValueError(f"label must be a non-empty string other than 'total', got {label!r}")
@@ -206,7 +207,7 @@ class PrivacyLedger:
         return next((e.step.sampling.unit for e in self._entries if e.step is not None), None)
 
     def _check_relation(self, relation: NeighbouringRelation | str | None) -> None:
-        """Refuse a record derived under another neighbouring relation (DESIGN rule 7)."""
+        """Refuse a record derived under another neighbouring relation."""
         if relation is None:
             return
         theirs = NeighbouringRelation.parse(relation)
@@ -303,7 +304,7 @@ class PrivacyLedger:
         Equal to :meth:`epsilon` for Poisson and shuffled runs (shuffling is already accounted
         under this assumption). A replace-one ledger (fixed-size sampling) has no such figure:
         Poisson sampling is accounted under add-or-remove, and ε under different relations is
-        never compared (DESIGN rule 7), so it raises ValueError.
+        never compared, so it raises ValueError.
         """
         if self.relation is NeighbouringRelation.REPLACE_ONE:
             raise ValueError(
@@ -409,7 +410,7 @@ class PrivacyLedger:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """A versioned, plain-JSON dict of everything recorded, for checkpoints (DESIGN rule 9)."""
+        """A versioned, plain-JSON dict of everything recorded, for checkpoints."""
         return {
             "format": LEDGER_FORMAT,
             "version": LEDGER_VERSION,
@@ -462,7 +463,7 @@ class PrivacyLedger:
             self.record_event(event, label=label, count=count)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a checkpointed ledger (DESIGN rule 9); on any problem nothing changes.
+        """Continue a checkpointed ledger; on any problem nothing changes.
 
         The state must match this ledger's accountant, δ and relation (ε under another δ or
         relation is a different claim). The target ε is this ledger's own, so a run may be

@@ -8,13 +8,13 @@ The wrapped optimizer only post-processes privatised gradients (guide §4.2, §5
 Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enforces:
 
 - noise ``N(0, σ²C²)`` per coordinate on the *sum* of clipped per-example gradients, then division
-  by the **expected** batch size (DESIGN rule 1) — the realised size is never used;
+  by the **expected** batch size — the realised size is never used;
 - every trainable parameter gets noise every step, zero-gradient and sparse ones included; frozen
-  parameters are never touched (rule 2);
-- an empty batch is still a step: noise only, accounted (rule 3);
+  parameters are never touched;
+- an empty batch is still a step: noise only, accounted;
 - microbatch clipping of averages (guide alg. 3) has sensitivity 2C, so the noise std is 2σC and
-  the sum is divided by the expected number of microbatches (rule 6);
-- the ledger's budget guard runs before anything changes (rule 9);
+  the sum is divided by the expected number of microbatches;
+- the ledger's budget guard runs before anything changes;
 - a step's batch is the one the private loader drew last, whole, used once
   (:mod:`dpfy.data.provenance`), and every parameter the wrapped optimizer would update is one
   the engine clipped and noised: anything else is refused before anything changes.

@@ -67,7 +67,7 @@ class PrivateTraining:
 
     @property
     def noise_multiplier(self) -> float:
-        """σ: noise std divided by the clip norm (decoupled, DESIGN rule 5)."""
+        """σ: noise std divided by the clip norm (decoupled: accounting never sees σ·C)."""
         return self.plan.noise_multiplier
 
     def epsilon(self, delta: float | None = None) -> float:

@@ -22,7 +22,7 @@ class StepRecord:
     """One DP-SGD step as it happened: how its batch was drawn and the noise multiplier σ.
 
     ``batch_size`` is the realised batch size, kept for diagnostics only (a running total); it
-    takes no part in accounting, grouping or equality (DESIGN rule 1).
+    takes no part in accounting, grouping or equality.
     """
 
     sampling: SamplingRecord

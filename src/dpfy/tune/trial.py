@@ -3,7 +3,7 @@
 A trial reuses the library's training path — :func:`dpfy.train.builder.make_private`, the trainer's
 optimizers and accuracy — and returns its score, the number of correct validation predictions,
 the unclipped per-example gradient norms it saw (``DPOptimizer.clip_observers``) and the privacy
-event of what it actually did, read from its own ledger (DESIGN rule 4).
+event of what it actually did, read from its own ledger.
 
 A zero-noise trial (σ = 0, the guide's ClipSearch, §5.4.1 step 2) clips but adds no noise. It has
 no finite ε, so its event is ``None``: such a trial may only run on data declared public.

@@ -1,7 +1,7 @@
 """The tuner: run a search's trials on the data, pick one, and account for it (guide §5.4.2).
 
 :class:`Tuner` refuses to start unless the accounting is decided — tuning on private data with no
-method is an error that lists the methods (DESIGN rule 10) — and checks everything it can before
+method is an error that lists the methods — and checks everything it can before
 the first trial: a zero-noise trial has no finite ε and may only run on data declared public;
 random-trials needs every candidate to be the same mechanism. For random-trials it really draws
 the number of runs K from the chosen distribution with a seeded ``numpy`` generator, and every

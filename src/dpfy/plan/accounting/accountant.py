@@ -53,7 +53,7 @@ class Accountant(abc.ABC):
         """Add ``count`` adaptive runs of ``event``; ``relation`` states what the event assumed.
 
         Events derived under another neighbouring relation are refused: ε under different
-        relations cannot be combined or compared (guide §2.1, DESIGN rule 7).
+        relations cannot be combined or compared (guide §2.1).
         """
         if relation is not None and NeighbouringRelation.parse(relation) is not self.relation:
             raise ValueError(

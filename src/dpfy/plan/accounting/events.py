@@ -4,7 +4,7 @@ An event describes the privacy-relevant shape of a computation — the noise dis
 was sampled, how often it ran — and nothing else. Accountants turn events into ε; they never learn
 where an event came from. The algebra follows the guide's §2.2–§4.2 vocabulary.
 
-Noise is always *decoupled* (DESIGN rule 5): ``GaussianEvent(noise_multiplier=σ)`` means Gaussian
+Noise is always *decoupled*: ``GaussianEvent(noise_multiplier=σ)`` means Gaussian
 noise of standard deviation ``σ · Δ`` added to a query whose per-record contribution is bounded by
 ``Δ`` (the clip norm ``C`` in DP-SGD). Accountants never see ``σ · C`` as "the noise".
 """
@@ -24,7 +24,7 @@ class NeighbouringRelation(enum.Enum):
     ``ADD_OR_REMOVE``: one dataset has one extra record. ``ZERO_OUT``: one record is replaced by a
     null record that contributes nothing (numerically the same accounting as add-or-remove for the
     events here). ``REPLACE_ONE``: one record is swapped for another, which doubles the sensitivity
-    of a sum of clipped contributions; ε under different relations is never comparable (rule 7).
+    of a sum of clipped contributions; ε under different relations is never comparable.
     """
 
     ADD_OR_REMOVE = "add-or-remove"

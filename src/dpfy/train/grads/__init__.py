@@ -35,7 +35,7 @@ groups=None, noise=None, scale=1.0)``
     passes 1/B, so the sum it reads is already the average).
     ``microbatch_size=k`` clips the *average* gradient of each group of k consecutive examples
     instead (guide alg. 3; a last, smaller group is averaged over its own size). Its sensitivity
-    is **2C**: the optimizer must add noise of std 2σC (DESIGN rule 6); the engine only sums.
+    is **2C**: the optimizer must add noise of std 2σC; the engine only sums.
     ``groups`` (an integer tensor, one id per example, any order and group sizes) clips the
     average gradient of each group of examples sharing an id instead: one group per user gives
     user-level DP-SGD (:mod:`dpfy.train.user_level`), whose sensitivity is C because the whole group
@@ -43,7 +43,7 @@ groups=None, noise=None, scale=1.0)``
     Afterwards every trainable ``p.grad`` is **None**: the non-private gradient of the backward
     pass is discarded, so an optimizer cannot step on it by accident. An empty batch (n = 0), or
     no backward since the last call, adds nothing and reports 0 examples; it never raises, and
-    the optimizer must still add noise (DESIGN rule 3). ``noise`` (a :class:`NoiseStart`, on
+    the optimizer must still add noise. ``noise`` (a :class:`NoiseStart`, on
     the last physical batch of a logical batch) opens the named parameters' sums from their
     noise just before each layer is summed (each exactly once, also on an empty batch); clipped
     sums are then added into them in place (rules with ``add_clipped_sum`` write their products
@@ -54,13 +54,14 @@ groups=None, noise=None, scale=1.0)``
 ``engine.summed_grads() -> dict[str, Tensor]``
     The accumulated clipped sum for *every* trainable parameter, keyed by the name it has in
     ``model.named_parameters()``; zeros for parameters that received no gradient (they still
-    need noise, DESIGN rule 2). ``engine.params`` maps the same names to the Parameters.
+    need noise: every trainable parameter is noised every step). ``engine.params`` maps the
+    same names to the Parameters.
 ``engine.write_grads()``
     Sets each trainable ``p.grad`` to its accumulated clipped sum (a copy), for optimizers that
     add noise in place and call ``torch.optim`` afterwards.
 ``engine.num_examples``
     Examples accumulated since the last ``reset`` (the *realised* batch size; divide by the
-    *expected* batch size instead, DESIGN rule 1).
+    *expected* batch size instead).
 ``engine.reset()`` / ``engine.detach()``
     Clear the accumulator / remove every hook and substitution (idempotent); the model is then
     exactly as before ``make_engine`` (same modules, same Parameter objects, same state_dict).
