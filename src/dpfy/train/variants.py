@@ -87,6 +87,11 @@ def _sampled_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
         inputs.generator,
         secure=inputs.secure,
     )
+    return _example_loader(plan, inputs, sampler)
+
+
+def _example_loader(plan: PrivacyPlan, inputs: LoaderInputs, sampler: Any) -> DPDataLoader:
+    """The private loader over examples, drawing its batches from ``sampler``."""
     return DPDataLoader(
         inputs.dataset,
         plan.expected_batch_size,
@@ -124,16 +129,7 @@ def _ordered_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
         shuffle=SamplingKind.parse(plan.sampler) is SamplingKind.TREE_SHUFFLE,
         secure=inputs.secure,
     )
-    return DPDataLoader(
-        inputs.dataset,
-        plan.expected_batch_size,
-        steps=plan.steps,
-        sampler=order,
-        generator=inputs.generator,
-        secure=inputs.secure,
-        microbatch_size=plan.microbatch_size,
-        **inputs.options,
-    )
+    return _example_loader(plan, inputs, order)
 
 
 _VARIANTS: dict[tuple[str, str], Variant] = {
