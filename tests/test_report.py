@@ -231,7 +231,7 @@ def test_item_7_training_only_when_nothing_was_tuned(poisson):
 def test_target_line_explains_a_total_past_the_guard_from_events_recorded_after_training():
     run, _ = private_run()
     run.ledger.target_epsilon = 1.01 * run.ledger.epsilon()  # the guard that training ran under
-    note = "events recorded after training"
+    note = "the tuning trials ran before this training run"
     assert note not in build_report(facts_of(run)).to_markdown()
     run.ledger.record_event(dpsgd_event(B / N, SIGMA, 30), label="tuning")  # dpfy tune does this
     md = build_report(facts_of(run, tuning=TuningFacts("private", 3))).to_markdown()

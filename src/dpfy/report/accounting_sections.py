@@ -6,6 +6,7 @@ held is the sampling record's own verdict, and the sentences are the run's wordi
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -174,29 +175,48 @@ def _render_epsilon(data: dict[str, Any]) -> list[str]:
         f"{caveat}"
     )
     if data["under_poisson_assumption"] is not None:  # None: DP-FTRL assumes no sampling
-        lines.append(
-            "- ε under the Poisson-sampling assumption: "
-            f"{show_epsilon(data['under_poisson_assumption'])}"
-        )
-        proven = data["proven_total"]
-        lines.append(
-            "- ε proven for the sampling actually used: "
-            + (
-                show_epsilon(proven)
-                if proven is not None
-                else "not known (shuffled batches, guide §4.3)"
-            )
-        )
+        lines += _sampling_lines(data["under_poisson_assumption"], data["proven_total"])
     if data["target_epsilon"] is not None:
         target = data["target_epsilon"]
         line = f"- target ε (budget guard): {show_epsilon(target)}"
-        if data["total"] > target:  # only events recorded after training can take it past
-            line += (
-                " — the guard covered every event recorded while training ran; events recorded "
-                "after training (e.g. the tuning above) add to the total"
-            )
+        if data["total"] > target:  # only events outside the guarded training can take it past
+            line += _beyond_guard(data)
         lines.append(line)
     return lines
+
+
+def _sampling_lines(assumed: float, proven: float | None) -> list[str]:
+    """ε under the Poisson assumption and ε proven for the sampling used: one line when equal."""
+    if proven is not None and _same(assumed, proven):
+        return [
+            f"- ε under the Poisson-sampling assumption: {show_epsilon(assumed)}, which is also "
+            "the ε proven for the sampling actually used"
+        ]
+    shown = (
+        show_epsilon(proven) if proven is not None else "not known (shuffled batches, guide §4.3)"
+    )
+    return [
+        f"- ε under the Poisson-sampling assumption: {show_epsilon(assumed)}",
+        f"- ε proven for the sampling actually used: {shown}",
+    ]
+
+
+def _same(a: float, b: float) -> bool:
+    """Equal ε (both unbounded counts as equal), up to float rounding between accountants."""
+    return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+def _beyond_guard(data: dict[str, Any]) -> str:
+    """Why the total passes the target, naming the events in the order they happened."""
+    parts = []
+    if data["tuning"] is not None:
+        parts.append(
+            "the tuning trials ran before this training run, and their cost (added to the ledger "
+            "once training ended) comes on top of it"
+        )
+    if data["other"]:
+        parts.append("the other releases above were recorded outside training and add to it")
+    return " — the guard covered every training step; " + "; ".join(parts) if parts else ""
 
 
 @section("epsilon", "7. Privacy budget (ε, δ)", _render_epsilon)

@@ -35,7 +35,7 @@ strings "inf"/"nan" when unbounded, or null where not applicable)::
                       max_grad_norm, steps, epochs, optimizer, learning_rate,
                       microbatch_size, loss_reduction, sampler,
                       unit, examples, max_examples_per_user (user-level runs only)}      §5.4.1
-    software:        {python, dpfy, torch, numpy, scipy, matplotlib, ...}                §5.3.3
+    software:        {python, dpfy, "dpfy commit", torch, numpy, scipy, matplotlib}     §5.3.3
     pitfalls:        [{code, severity, title, evidence, fix, guide_section}]             §5.4–5.5
     run:             {dataset: {name, size, source, preprocessing: [...]},
                       model: {name, parameters, trainable, frozen}}

@@ -44,6 +44,7 @@ from dpfy.report.accounting import (
 )
 from dpfy.report.clip_norms import GradNormStats, NormLog, record_clip_norms
 from dpfy.report.json_codec import asdict, build, json_restore, json_safe, optional
+from dpfy.report.provenance import source_commit
 from dpfy.report.recompute import RECOMPUTE_RULE, check_settings_against, recomputed_accounting
 from dpfy.report.run_parts import (
     LOSS_NORMALISATIONS,
@@ -264,13 +265,15 @@ def _check_inputs(facts: RunFacts) -> None:
 
 
 def software_versions() -> dict[str, str]:
-    """Versions of Python and the libraries the guarantee depends on (guide §5.3.3)."""
+    """Versions of Python and the libraries the guarantee depends on, and dpfy's commit (§5.3.3)."""
     versions = {"python": platform.python_version()}
     for package in ("dpfy", "torch", "numpy", "scipy", "matplotlib"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = "not installed"
+        if package == "dpfy":
+            versions["dpfy commit"] = source_commit()
     return versions
 
 

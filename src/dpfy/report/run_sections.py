@@ -121,8 +121,14 @@ def _render_run(data: dict[str, Any]) -> list[str]:
             if step["declared_public"]
             else ("fitted on the private data" if step["fitted_on_private_data"] else "fixed")
         )
-        lines.append(f"- Preprocessing: {step['name']} ({origin}) {step['description']}".rstrip())
+        detail = "" if _repeats(step["name"], step["description"]) else f" — {step['description']}"
+        lines.append(f"- Preprocessing ({origin}): {step['name']}{detail}")
     return lines
+
+
+def _repeats(name: str, description: str) -> bool:
+    """Whether a step's description only restates its name (a dataset record gives both)."""
+    return not description.strip() or description.replace("; ", ", ") == name
 
 
 @section("run", "Run", _render_run)
