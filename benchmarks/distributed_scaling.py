@@ -44,7 +44,7 @@ def accuracy_runs(seeds: list[int], workdir: Path) -> list[dict[str, object]]:
             started = time.perf_counter()
             subprocess.run(command, check=True, env=_env(), capture_output=True, cwd=workdir)
             seconds = time.perf_counter() - started
-            last = json.loads((out / "history.json").read_text())[-1]
+            last = json.loads((out / "history.json").read_text())["rows"][-1]
             rows.append(
                 {
                     "seed": seed,

@@ -416,7 +416,7 @@ def test_torchrun_dpfy_train_writes_one_run_from_rank_0(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "report.json").exists() and (out / "model.pt").exists()
     assert done.stdout.count("test accuracy (DP)") == 1  # rank 0 alone prints the summary
-    history = json.loads((out / "history.json").read_text())
+    history = json.loads((out / "history.json").read_text())["rows"]
     assert history[-1]["epsilon"] <= 3.0
     report = json.loads((out / "report.json").read_text())
     assert "Training ran in 2 processes" in report["dp_setting"]["statement"]

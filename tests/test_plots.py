@@ -24,7 +24,8 @@ from dpfy.report.facts import (
     accounting_facts,
     model_facts,
 )
-from dpfy.report.plots import CURVE_POINTS, epsilon_curve, plot_epsilon_curve, plot_training_curves
+from dpfy.report.plots import CURVE_POINTS, epsilon_curve, plot_epsilon_curve
+from dpfy.report.training_plot import plot_training_curves
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.step_record import StepRecord
 

@@ -262,6 +262,7 @@ def _train_into(
 ) -> TrainResult:
     """Load, train, evaluate and (on the writer) fill the claimed ``run_dir``."""
     from dpfy.report.facts import ResultFacts, collect_facts, record_clip_norms
+    from dpfy.report.history import write_history
     from dpfy.report.render import write_report
 
     started = time.perf_counter()
@@ -304,7 +305,7 @@ def _train_into(
     baseline = train_baseline(config, data) if config.baseline else None
     seconds = time.perf_counter() - started
     torch.save(private.model.state_dict(), run_dir / "model.pt")
-    (run_dir / "history.json").write_text(json.dumps(history, indent=2))
+    write_history(run_dir / "history.json", history)  # train metrics labelled not private
     (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
     facts = collect_facts(
         private,

@@ -1,10 +1,10 @@
-"""Plots of a private run as PNG files: ε against steps, and loss/accuracy against steps.
+"""The ε plot of a private run as a PNG file, and the PNG writer every dpfy plot uses.
 
 The ε curve is recomputed from the ledger's recorded training steps with both accountants (PLD
 tight, RDP looser, guide §4.2.2), at about 30 step counts; the returned :class:`EpsilonCurve`
 holds exactly the numbers drawn, so tests and reports can check the picture against the
 accountant. Figures are drawn on matplotlib's Agg canvas directly — no global backend switch, no
-display needed.
+display needed. The loss/accuracy plot is :mod:`dpfy.report.training_plot`.
 """
 
 from __future__ import annotations
@@ -149,21 +149,24 @@ def plot_epsilon_curve(
 ) -> EpsilonCurve:
     """Draw ε against steps (PLD and RDP, final point marked) to ``path``; return the curve."""
     curve = epsilon_curve(source, points=points)
-    figure = Figure(figsize=(7, 4.5))
+    save_png(epsilon_figure(curve), path)
+    return curve
+
+
+def epsilon_figure(curve: EpsilonCurve) -> Figure:
+    """The ε plot of ``curve``: each final ε is stated in the legend, which sits below the axes.
+
+    Inline annotations beside the final points collided with each other, the curves and the title
+    whenever the two accountants' figures were close; a legend outside the axes cannot.
+    """
+    figure = Figure(figsize=(7, 5), layout="constrained")
     axes = figure.add_subplot()
     for name, values, style in (("PLD", curve.pld, "-"), ("RDP", curve.rdp, "--")):
         if values is None:
             continue
-        axes.plot(curve.steps, values, style, marker=".", label=f"{name} accountant")
-        axes.plot(curve.steps[-1], values[-1], "o", markersize=9, color="black")
-        axes.annotate(
-            f"{name}: ε = {values[-1]:.3g} after {curve.steps[-1]} steps",
-            (curve.steps[-1], values[-1]),
-            textcoords="offset points",
-            xytext=(-12, -14 if name == "PLD" else 6),
-            ha="right",
-            fontsize=8,
-        )
+        label = f"{name} accountant: ε = {values[-1]:.3g} after {curve.steps[-1]} steps"
+        (line,) = axes.plot(curve.steps, values, style, marker=".", label=label)
+        axes.plot(curve.steps[-1], values[-1], "o", markersize=9, color=line.get_color())
     own = curve.pld if curve.accountant == "pld" else curve.rdp
     trained = own[-1] if own else math.inf
     if curve.total_epsilon is not None and curve.total_epsilon > trained * (1 + 1e-9):
@@ -178,96 +181,10 @@ def plot_epsilon_curve(
     axes.set_xlim(left=0)
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
-    axes.legend(loc="lower right")
+    figure.legend(loc="outside lower center", ncols=1, fontsize=8)
     caveat = "" if curve.assumptions_met else "\nunder the Poisson assumption, which was NOT met"
     axes.set_title(f"Privacy spent by training ({curve.relation} adjacency){caveat}", fontsize=10)
-    figure.tight_layout()
-    save_png(figure, path)
-    return curve
+    return figure
 
 
-@dataclass(frozen=True)
-class TrainingCurves:
-    """The series :func:`plot_training_curves` drew, keyed by history field."""
-
-    steps: tuple[int, ...]
-    series: dict[str, tuple[tuple[int, float], ...]]
-
-
-def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[tuple[int, float], ...]:
-    """(step, value) for every history row that has a finite ``key``."""
-    points = []
-    for row in history:
-        value = row.get(key)
-        if value is not None and math.isfinite(float(value)):
-            points.append((int(row["step"]), float(value)))
-    return tuple(points)
-
-
-def plot_training_curves(
-    history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]
-) -> TrainingCurves:
-    """Draw loss and accuracy (and ε on a secondary axis) against steps to ``path``.
-
-    ``history`` is the trainer's list of dicts, each with ``step`` and any of ``loss``, keys
-    containing ``accuracy`` (e.g. ``train_accuracy``, ``test_accuracy``), ``epsilon`` and
-    ``epoch``; rows may carry only some of them.
-    """
-    if not history or any("step" not in row for row in history):
-        raise ValueError("history must be a non-empty list of dicts, each with a 'step'")
-    keys = sorted({k for row in history for k in row if k == "loss" or "accuracy" in k})
-    series = {k: _series(history, k) for k in [*keys, "epsilon"]}
-    figure = Figure(figsize=(7, 6))
-    loss_axes, acc_axes = figure.subplots(2, 1, sharex=True)
-    _draw(loss_axes, series, [k for k in keys if k == "loss"], "loss")
-    _draw(acc_axes, series, [k for k in keys if "accuracy" in k], "accuracy")
-    if series["epsilon"]:
-        eps_axes = acc_axes.twinx()
-        steps, values = zip(*series["epsilon"], strict=True)
-        eps_axes.plot(steps, values, color="tab:red", linestyle=":", label="ε spent")
-        eps_axes.set_ylabel("ε spent", color="tab:red")
-        eps_axes.set_ylim(bottom=0)
-        eps_axes.legend(loc="center right")
-    _epoch_axis(loss_axes, history)
-    acc_axes.set_xlabel("training steps")
-    figure.suptitle("Private training: loss and accuracy against steps", fontsize=10)
-    figure.tight_layout()
-    save_png(figure, path)
-    return TrainingCurves(tuple(int(row["step"]) for row in history), series)
-
-
-def _draw(axes: Any, series: dict[str, Any], keys: Sequence[str], ylabel: str) -> None:
-    """Plot some series on one axes, or say there is nothing."""
-    for key in keys:
-        if series[key]:
-            steps, values = zip(*series[key], strict=True)
-            axes.plot(steps, values, marker=".", label=key.replace("_", " "))
-    if any(series[k] for k in keys):
-        axes.legend(loc="best")
-    else:
-        axes.text(0.5, 0.5, f"no {ylabel} recorded", ha="center", transform=axes.transAxes)
-    axes.set_ylabel(ylabel)
-    axes.grid(alpha=0.3)
-
-
-def _epoch_axis(axes: Any, history: Sequence[Mapping[str, Any]]) -> None:
-    """An epochs scale on top, when the history records epochs (epoch ∝ step)."""
-    pairs = [(r["step"], r["epoch"]) for r in history if r.get("epoch") is not None and r["step"]]
-    if not pairs:
-        return
-    step, epoch = pairs[-1]
-    ratio = float(epoch) / float(step)
-    if ratio <= 0:
-        return
-    top = axes.secondary_xaxis("top", functions=(lambda s: s * ratio, lambda e: e / ratio))
-    top.set_xlabel("epochs")
-
-
-__all__ = [
-    "CURVE_POINTS",
-    "EpsilonCurve",
-    "TrainingCurves",
-    "epsilon_curve",
-    "plot_epsilon_curve",
-    "plot_training_curves",
-]
+__all__ = ["CURVE_POINTS", "EpsilonCurve", "epsilon_curve", "epsilon_figure", "plot_epsilon_curve"]

@@ -58,7 +58,8 @@ def write_report(
 ) -> dict[str, Path]:
     """Write the facts, report.md, report.json and the PNG plots into ``run_dir``.
 
-    Returns the written paths by name. The training plot needs the trainer's ``history``.
+    Returns the written paths by name. The training plot needs the trainer's ``history``; it
+    draws the facts' non-private baseline accuracy, when the trainer ran one, as a reference.
     """
     target = Path(run_dir)
     target.mkdir(parents=True, exist_ok=True)
@@ -70,14 +71,16 @@ def write_report(
         written[name] = target / filename
         written[name].write_text(render(facts, fmt), encoding="utf-8")
     if plots:
-        from dpfy.report.plots import plot_epsilon_curve, plot_training_curves
+        from dpfy.report.plots import plot_epsilon_curve
+        from dpfy.report.training_plot import plot_training_curves
 
         if facts.accounting.summary.steps:
             written["epsilon_plot"] = target / EPSILON_PLOT
             plot_epsilon_curve(facts, written["epsilon_plot"])
         if history:
             written["training_plot"] = target / TRAINING_PLOT
-            plot_training_curves(history, written["training_plot"])
+            baseline = facts.results.baseline_accuracy
+            plot_training_curves(history, written["training_plot"], baseline_accuracy=baseline)
     return written
 
 

@@ -1,0 +1,146 @@
+"""The training plot: loss and accuracy against steps, ε spent, and the non-private baseline.
+
+Curves computed on the private training data (the running train loss and accuracy) are labelled
+as not private in the legend and the title, as :mod:`dpfy.report.history` classifies them; the
+non-private baseline's test accuracy, when the trainer ran one, is a horizontal reference line.
+Legends sit outside the axes, below the plots, so no label ever covers a curve.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from dpfy.report.history import NOT_PRIVATE_TAG, is_released, series_label
+from dpfy.report.plots import save_png
+
+BASELINE_LABEL = "non-private baseline"
+
+
+@dataclass(frozen=True)
+class TrainingCurves:
+    """The series :func:`plot_training_curves` drew, keyed by history field, and the baseline."""
+
+    steps: tuple[int, ...]
+    series: dict[str, tuple[tuple[int, float], ...]]
+    labels: dict[str, str]
+    baseline_accuracy: float | None = None
+
+
+def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[tuple[int, float], ...]:
+    """(step, value) for every history row that has a finite ``key``."""
+    points = []
+    for row in history:
+        value = row.get(key)
+        if value is not None and math.isfinite(float(value)):
+            points.append((int(row["step"]), float(value)))
+    return tuple(points)
+
+
+def _check(history: Sequence[Mapping[str, Any]], baseline_accuracy: float | None) -> None:
+    """Refuse a history without steps, or a baseline accuracy outside [0, 1]."""
+    if not history or any("step" not in row for row in history):
+        raise ValueError("history must be a non-empty list of dicts, each with a 'step'")
+    if baseline_accuracy is not None and not 0.0 <= baseline_accuracy <= 1.0:
+        raise ValueError(
+            f"baseline_accuracy must be an accuracy in [0, 1], got {baseline_accuracy!r}"
+        )
+
+
+def training_figure(
+    history: Sequence[Mapping[str, Any]], *, baseline_accuracy: float | None = None
+) -> tuple[Figure, TrainingCurves]:
+    """Loss and accuracy (ε on a secondary axis, the baseline as a line) against steps.
+
+    ``history`` is the trainer's list of dicts, each with ``step`` and any of ``loss``, keys
+    containing ``accuracy`` (e.g. ``train_accuracy``, ``test_accuracy``), ``epsilon`` and
+    ``epoch``; rows may carry only some of them.
+    """
+    _check(history, baseline_accuracy)
+    keys = sorted({k for row in history for k in row if k == "loss" or "accuracy" in k})
+    series = {k: _series(history, k) for k in [*keys, "epsilon"]}
+    labels = {k: series_label(k) for k in keys}
+    figure = Figure(figsize=(7, 6.8), layout="constrained")
+    loss_axes, acc_axes = figure.subplots(2, 1, sharex=True)
+    _draw(loss_axes, series, labels, [k for k in keys if k == "loss"], "train loss")
+    _draw(acc_axes, series, labels, [k for k in keys if "accuracy" in k], "accuracy")
+    if baseline_accuracy is not None:
+        labels["baseline"] = f"{BASELINE_LABEL}: test accuracy {baseline_accuracy:.3g} (not DP)"
+        acc_axes.axhline(baseline_accuracy, color="black", linestyle="--", label=labels["baseline"])
+    if series["epsilon"]:
+        eps_axes = acc_axes.twinx()
+        steps, values = zip(*series["epsilon"], strict=True)
+        eps_axes.plot(steps, values, color="tab:red", linestyle=":", label="ε spent")
+        eps_axes.set_ylabel("ε spent", color="tab:red")
+        eps_axes.set_ylim(bottom=0)
+    _epoch_axis(loss_axes, history)
+    acc_axes.set_xlabel("training steps")
+    _legend(figure)
+    private = any(not is_released(k) and series[k] for k in keys)
+    note = f"\ncurves marked ({NOT_PRIVATE_TAG}) are for diagnosis only" if private else ""
+    figure.suptitle(f"Private training: loss and accuracy against steps{note}", fontsize=10)
+    steps_drawn = tuple(int(row["step"]) for row in history)
+    return figure, TrainingCurves(steps_drawn, series, labels, baseline_accuracy)
+
+
+def plot_training_curves(
+    history: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    baseline_accuracy: float | None = None,
+) -> TrainingCurves:
+    """Write :func:`training_figure` as a PNG to ``path``; return what was drawn."""
+    figure, curves = training_figure(history, baseline_accuracy=baseline_accuracy)
+    save_png(figure, path)
+    return curves
+
+
+def _draw(
+    axes: Any, series: dict[str, Any], labels: dict[str, str], keys: Sequence[str], ylabel: str
+) -> None:
+    """Plot some series on one axes, or say there is nothing."""
+    for key in keys:
+        if series[key]:
+            steps, values = zip(*series[key], strict=True)
+            axes.plot(steps, values, marker=".", label=labels[key], color=_colour(key))
+    if not any(series[k] for k in keys):
+        axes.text(0.5, 0.5, f"no {ylabel} recorded", ha="center", transform=axes.transAxes)
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+
+
+def _colour(key: str) -> str:
+    """Blue for released (test) curves, orange for curves on the private training data."""
+    return "tab:blue" if is_released(key) else "tab:orange"
+
+
+def _legend(figure: Figure) -> None:
+    """One legend for every labelled curve, outside the axes, below the plots."""
+    handles, names = [], []
+    for axes in figure.axes:
+        for handle, name in zip(*axes.get_legend_handles_labels(), strict=True):
+            handles.append(handle)
+            names.append(name)
+    if handles:
+        figure.legend(handles, names, loc="outside lower center", ncols=2, fontsize=8)
+
+
+def _epoch_axis(axes: Any, history: Sequence[Mapping[str, Any]]) -> None:
+    """An epochs scale on top, when the history records epochs (epoch ∝ step)."""
+    pairs = [(r["step"], r["epoch"]) for r in history if r.get("epoch") is not None and r["step"]]
+    if not pairs:
+        return
+    step, epoch = pairs[-1]
+    ratio = float(epoch) / float(step)
+    if ratio <= 0:
+        return
+    top = axes.secondary_xaxis("top", functions=(lambda s: s * ratio, lambda e: e / ratio))
+    top.set_xlabel("epochs")
+
+
+__all__ = ["BASELINE_LABEL", "TrainingCurves", "plot_training_curves", "training_figure"]
