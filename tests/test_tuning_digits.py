@@ -1,5 +1,6 @@
-"""ClipSearch on digits end to end: a C is picked, the tuned run at ε = 3 is at least the untuned
-default, and the report card states training ε, tuning ε and their total (guide §5.4)."""
+"""ClipSearch on digits end to end: a C is picked, the tuned run within a total ε = 3 is at least
+the untuned default, and the report card states training ε, tuning ε and their total, at most
+the budget (guide §5.4)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _check_outcome(summary: dict, method: str) -> None:
     assert chosen_c in summary["config"]["clip_grid"] and final["max_grad_norm"] == chosen_c
     assert final["test_accuracy"] >= default["test_accuracy"]
     eps = final["epsilon"]
-    assert eps["training"] == pytest.approx(summary["config"]["target_epsilon"], rel=0.01)
+    budget = summary["config"]["target_epsilon"]  # the whole budget, tuning included
+    assert 0.99 * budget <= eps["total"] <= budget
     assert eps["tuning"] == pytest.approx(tuning["tuning_epsilon"], rel=1e-6)
     assert eps["total"] > max(eps["training"], eps["tuning"])
     shown = _report_epsilon(summary)

@@ -29,7 +29,8 @@ _LAZY = {
     "run_trial": "dpfy.tune.trial",
     "Tuner": "dpfy.tune.tuner",
     "TuningOutcome": "dpfy.tune.tuner",
-    "TuneConfig": "dpfy.tune.pipeline",
+    "TuneConfig": "dpfy.tune.config",
+    "plan_budget": "dpfy.tune.budget",
     "run_tuning": "dpfy.tune.pipeline",
 }
 

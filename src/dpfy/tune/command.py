@@ -12,7 +12,8 @@ from rich.table import Table
 
 from dpfy._validate import check_learning_rate, check_seed
 from dpfy.jobs.config import check_epochs
-from dpfy.tune.pipeline import TuneConfig, check_tune_config, parse_grid, run_tuning
+from dpfy.tune.config import TuneConfig, check_tune_config, parse_grid
+from dpfy.tune.pipeline import run_tuning
 
 
 def _eps(value: float | None) -> str:
@@ -36,6 +37,11 @@ def tune_command(
     trial_epochs: float,
     optimizer: str = "adam",
     lr: float = 0.01,
+    tuning_share: float | None = None,
+    model: str = "mlp",
+    batch_size: int = 128,
+    delta: float | None = None,
+    max_grad_norm: float = 1.0,
     out: Path | None = None,
     seed: int = 0,
     data_dir: Path | None = None,
@@ -55,8 +61,9 @@ def tune_command(
         dataset=dataset, search=search, trials=trials, accounting=accounting,
         public_data=public_data, distribution=distribution, clip_grid=parse_grid(clip_grid),
         lr_grid=parse_grid(lr_grid), tolerance=tolerance, target_epsilon=target_epsilon,
-        epochs=epochs, trial_epochs=trial_epochs, optimizer=optimizer, lr=lr, out=out, seed=seed,
-        data_dir=data_dir,
+        tuning_share=tuning_share, epochs=epochs, trial_epochs=trial_epochs, optimizer=optimizer,
+        lr=lr, model=model, batch_size=batch_size, delta=delta, max_grad_norm=max_grad_norm,
+        out=out, seed=seed, data_dir=data_dir,
     )  # fmt: skip
     check_tune_config(config)
     if config.out is None:  # a unique directory, so two runs started together never share one
@@ -89,7 +96,7 @@ def tune_command(
         "ε training / tuning / total",
         f"{_eps(eps.get('training'))} / {_eps(eps.get('tuning', 0.0))} / {_eps(eps['total'])} "
         f"at δ = {summary['delta']:g} ({final['accountant']}, tuning by "
-        f"{tuning['accounting']['method']})",
+        f"{tuning['accounting']['method']}); budget {summary['budget']['total_epsilon']:g}",
     )
     for name, path in result.files.items():
         table.add_row(name, str(path))

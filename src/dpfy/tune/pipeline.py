@@ -2,172 +2,43 @@
 
 The run: split the data (validation half of the test split for scoring trials, the other half
 for final accuracy; for ``public`` tuning, a declared-public part of the training split that the
-private run never uses), calibrate σ for the target ε, run the search under the chosen tuning
-accounting, train the chosen configuration at the target ε, record the tuning event in that run's
-ledger (so its report card shows training ε, tuning ε and the total), train the untuned default
-for comparison, and write ``tuning.json``, the PNGs and the final run's report into ``out``.
+private run never uses), split the total ε between the trials and the final run and calibrate
+both σ so the total holds (:mod:`dpfy.tune.budget`), run the search under the chosen tuning
+accounting, train the chosen configuration, record the tuning event in that run's ledger (so its
+report card shows training ε, tuning ε and their total, at most the budget), train the untuned
+default at the whole budget for comparison, and write ``tuning.json``, the PNGs and the final
+run's report into ``out``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from torch.utils.data import TensorDataset
 
-from dpfy.data.datasets import LoadedDataset, load_dataset
-from dpfy.jobs.config import public_seed
-from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
-from dpfy.plan.accounting.events import GaussianEvent
-from dpfy.tune.clip_search import DEFAULT_CLIP_GRID, ClipSearch
-from dpfy.tune.cost import TuningSpec, get_method
-from dpfy.tune.random_search import RandomSearch
-from dpfy.tune.search import Search, check_grid, check_tolerance
-from dpfy.tune.sweep import DEFAULT_LR_GRID, DEFAULT_SWEEP_CLIPS, LrClipSweep
-from dpfy.tune.trial import TrialConfig, TrialResult, TuningData, split_indices
-from dpfy.tune.tuner import Tuner, TuningOutcome
+from dpfy.data.datasets import load_dataset
+from dpfy.plan.accounting.events import DpEvent
+from dpfy.tune.budget import BudgetSplit, plan_budget
+from dpfy.tune.clip_search import ClipChoice, ClipSearch
+from dpfy.tune.config import SEARCHES, TuneConfig, check_tune_config, parse_grid
+from dpfy.tune.cost import TuningAccounting, get_method
+from dpfy.tune.grid_edge import search_edges, warn_grid_edges
+from dpfy.tune.search import Search
+from dpfy.tune.splits import Splits, make_splits, resolved_delta
+from dpfy.tune.sweep import LrClipSweep
+from dpfy.tune.trial import TrialConfig, TrialResult, TuningData
+from dpfy.tune.tuner import Tuner, TuningOutcome, planned_event
 
 SUMMARY_FILE = "tuning.json"
 NORMS_PLOT = "grad_norms.png"
 HEATMAP_PLOT = "lr_clip_heatmap.png"
 CLIP_PLOT = "clip_search.png"
-
-
-@dataclass(frozen=True)
-class TuneConfig:
-    """Everything ``dpfy tune`` needs; the defaults tune digits in about a minute."""
-
-    dataset: str = "digits"
-    search: str = "clip"
-    accounting: str | None = None
-    trials: int = 5
-    target_epsilon: float = 3.0
-    delta: float | None = None
-    epochs: float = 20
-    trial_epochs: float = 2
-    batch_size: int = 128
-    model: str = "mlp"
-    optimizer: str = "adam"
-    lr: float = 0.01
-    max_grad_norm: float = 1.0  # the untuned default's C
-    clip_grid: tuple[float, ...] = DEFAULT_CLIP_GRID
-    lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
-    sweep_clips: tuple[float, ...] = DEFAULT_SWEEP_CLIPS
-    tolerance: float = 0.02
-    distribution: str = "poisson"
-    selection_epsilon: float = 1.0
-    public_data: str | None = None
-    public_fraction: float = 0.3
-    compare_default: bool = True
-    out: Path | None = None
-    seed: int | None = None  # private randomness; None: OS entropy (run_config.public_seed)
-    data_dir: Path | None = None
-    limit: int | None = None
-
-    def spec(self) -> TuningSpec:
-        """The accounting method's parameters."""
-        return TuningSpec(
-            distribution=self.distribution,
-            mean_trials=float(self.trials),
-            selection_epsilon=self.selection_epsilon,
-            public_declaration=self.public_data,
-        )
-
-
-SearchBuilder = Callable[[TuneConfig, float], Search]
-SEARCHES: dict[str, SearchBuilder] = {
-    "clip": lambda c, sigma: ClipSearch(
-        grid=c.clip_grid, tolerance=c.tolerance, lr=c.lr, noise_multiplier=sigma,
-        epochs=c.trial_epochs, batch_size=c.batch_size, model=c.model, optimizer=c.optimizer,
-        seed=c.seed,
-    ),
-    "lr-clip": lambda c, sigma: LrClipSweep(
-        lrs=c.lr_grid, clips=c.sweep_clips, noise_multiplier=sigma, epochs=c.trial_epochs,
-        batch_size=c.batch_size, model=c.model, optimizer=c.optimizer, seed=c.seed,
-    ),
-    "random": lambda c, sigma: RandomSearch(
-        count=c.trials, noise_multiplier=sigma, epochs=c.trial_epochs, batch_size=c.batch_size,
-        model=c.model, optimizer=c.optimizer, seed=c.seed,
-    ),
-}  # fmt: skip
-
-
-def check_tune_config(config: TuneConfig) -> None:
-    """Refuse bad settings before any data is loaded (nothing is written either)."""
-    if config.search not in SEARCHES:
-        raise ValueError(f"search must be one of {', '.join(SEARCHES)}; got {config.search!r}")
-    method = get_method(config.accounting)  # None: refused with the choices listed
-    if not method.private and not (config.public_data or "").strip():
-        raise ValueError(
-            "--tuning-accounting public needs --public-data: declare what the public tuning data "
-            "is (here: a split of the training data held out from private training)"
-        )
-    check_tolerance(config.tolerance)
-    check_grid("clip norm", config.clip_grid)
-    check_grid("learning rate", config.lr_grid)
-    check_grid("clip norm", config.sweep_clips)
-    if config.trials < 1:
-        raise ValueError(f"trials must be at least 1, got {config.trials}")
-    if config.target_epsilon <= 0:
-        raise ValueError(f"target_epsilon must be positive, got {config.target_epsilon}")
-    if method.private:  # e.g. a geometric number of trials with mean 1, refused before any run
-        try:
-            method.event([GaussianEvent(1.0)], config.spec())
-        except ValueError as error:
-            raise ValueError(
-                f"--tuning-accounting {method.name}: {error}; the truncated distributions never "
-                "draw K = 0, so their mean (--trials) must exceed 1: raise --trials or use "
-                "--distribution poisson"
-            ) from None
-
-
-def _take(data: TensorDataset, indices: np.ndarray) -> TensorDataset:
-    """The rows ``indices`` of a tensor dataset, as a new tensor dataset."""
-    index = torch.as_tensor(indices, dtype=torch.long)
-    return TensorDataset(*(t[index] for t in data.tensors))
-
-
-@dataclass(frozen=True)
-class Splits:
-    """Tuning train/validation, and the final run's (private) train and held-out test."""
-
-    tuning: TuningData
-    final: LoadedDataset
-    public_size: int
-
-
-def make_splits(data: LoadedDataset, config: TuneConfig, public: bool) -> Splits:
-    """Validation = a seeded half of the test split; public tuning gets a disjoint train part."""
-    validation_idx, test_idx = split_indices(len(data.test), 0.5, public_seed(config.seed))
-    validation = _take(data.test, validation_idx)
-    final_test = _take(data.test, test_idx)
-    private_train, tuning_train, public_size = data.train, data.train, 0
-    if public:
-        public_idx, private_idx = split_indices(
-            len(data.train), config.public_fraction, public_seed(config.seed) + 1
-        )
-        tuning_train = _take(data.train, public_idx)
-        private_train = _take(data.train, private_idx)
-        public_size = len(public_idx)
-    tuning = TuningData(tuning_train, validation, data.input_shape, data.num_classes)
-    final = replace(data, train=private_train, test=final_test)
-    return Splits(tuning, final, public_size)
-
-
-def _resolved_delta(config: TuneConfig, size: int) -> float:
-    """δ as given, or a power of ten at least 10× below 1/N (guide §2.1)."""
-    if config.delta is not None:
-        return config.delta
-    return 10.0 ** -(math.ceil(math.log10(size)) + 1)
 
 
 def _progress(console: Console) -> Progress:
@@ -206,9 +77,18 @@ class TuneSummary:
     files: dict[str, Path] = field(default_factory=dict)
 
 
+def _clip_choice(search: Search, outcome: TuningOutcome) -> ClipChoice | None:
+    """ClipSearch's summary of its trials (None for other searches or no trials)."""
+    if not isinstance(search, ClipSearch) or not outcome.results:
+        return None
+    picked = outcome.chosen.config.max_grad_norm if outcome.chosen else None
+    return search.summarise(outcome.results, picked)
+
+
 def _pictures(
     search: Search,
     outcome: TuningOutcome,
+    clip: ClipChoice | None,
     config: TuneConfig,
     chosen_clip: float,
     sigma: float,
@@ -225,9 +105,7 @@ def _pictures(
             np.concatenate(norms), chosen_clip, out / NORMS_PLOT,
             default_clip=config.max_grad_norm,
         )  # fmt: skip
-    picked = outcome.chosen.config.max_grad_norm if outcome.chosen else None
-    if isinstance(search, ClipSearch) and outcome.results:
-        clip = search.summarise(outcome.results, picked)
+    if clip is not None:
         if clip.indistinct and len(clip.accuracy_by_clip) > 1:
             outcome.notes.append(
                 "every clip norm tried scored within the tolerance of the best: the trials did "
@@ -238,6 +116,7 @@ def _pictures(
             "accuracy_by_clip": {f"{c:g}": a for c, a in clip.accuracy_by_clip.items()},
             "grad_norm_quantiles": clip.norm_quantiles,
         }
+        picked = outcome.chosen.config.max_grad_norm if outcome.chosen else None
         files["clip_plot"] = plot_clip_search(
             clip.accuracy_by_clip, picked, config.tolerance, out / CLIP_PLOT
         )
@@ -261,6 +140,46 @@ def _check_informative(outcome: TuningOutcome, num_classes: int) -> None:
         )
 
 
+def _split_budget(
+    config: TuneConfig, method: TuningAccounting, splits: Splits, delta: float
+) -> BudgetSplit:
+    """Both σ for the total budget, from the events the trials and the final run will record."""
+    final_size, tuning_size = len(splits.final.train), len(splits.tuning.train)  # type: ignore[arg-type]
+    final = _default_config(config, 1.0)
+
+    def training_at(sigma: float) -> DpEvent:
+        return planned_event(final.with_(noise_multiplier=sigma), final_size)  # type: ignore[return-value]
+
+    def tuning_at(sigma: float) -> DpEvent:
+        candidates = SEARCHES[config.search](config, sigma).candidates()
+        trials = [planned_event(c, tuning_size) for c in candidates]
+        return method.event([e for e in trials if e is not None], config.spec())
+
+    accountant = method.accountant or "pld"
+    return plan_budget(
+        config.target_epsilon, delta, accountant, training_at,
+        tuning_at if method.private else None, config.tuning_share,
+    )  # fmt: skip
+
+
+def _default_config(config: TuneConfig, sigma: float) -> TrialConfig:
+    """The untuned default as a full-length run: the config's lr and C."""
+    return TrialConfig(
+        max_grad_norm=config.max_grad_norm, lr=config.lr, noise_multiplier=sigma,
+        epochs=config.epochs, batch_size=config.batch_size, model=config.model,
+        optimizer=config.optimizer, seed=config.seed,
+    )  # fmt: skip
+
+
+def _check_tuning_event(outcome: TuningOutcome, split: BudgetSplit) -> None:
+    """The tuning that ran must be the tuning the budget was split for, or the total is wrong."""
+    if outcome.method.private and outcome.event != split.tuning_event:
+        raise RuntimeError(
+            f"the tuning recorded {outcome.event} but the budget was planned for "
+            f"{split.tuning_event}; the final run was not started — please report this"
+        )
+
+
 def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummary:
     """Tune, train the chosen configuration and the untuned default, write everything."""
     from dpfy.jobs.run_dir import prepare_run_dir
@@ -280,51 +199,50 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
     data = load_dataset(config.dataset, data_dir=config.data_dir, limit=config.limit)
     splits = make_splits(data, config, public=not method.private)
     size = len(splits.final.train)
-    delta = _resolved_delta(config, size)
+    delta = resolved_delta(config, size)
     accountant = method.accountant or "pld"
-    batch = min(config.batch_size, size)
-    steps = max(1, math.ceil(config.epochs * size / batch))
-    sigma = calibrate_noise_multiplier(
-        config.target_epsilon, delta, batch / size, steps, accountant=accountant
-    )
-    trial_sigma = 0.0 if (not method.private and config.search == "clip") else sigma
+    split = _split_budget(config, method, splits, delta)
+    sigma = split.final_noise_multiplier
+    zero_noise = not method.private and config.search == "clip"  # the guide's public sweep
+    trial_sigma = 0.0 if zero_noise else split.trial_noise_multiplier
     search = SEARCHES[config.search](config, trial_sigma)
     console.print(
         f"[bold]dpfy tune[/] {config.dataset}: {config.search} search, tuning accounted by "
-        f"{method.name} ({method.description}); trials at σ = {trial_sigma:.3f} for "
-        f"{config.trial_epochs:g} epoch(s); final run at ε = {config.target_epsilon:g}, "
-        f"δ = {delta:g} (σ = {sigma:.3f})"
+        f"{method.name} ({method.description}); total budget ε = {config.target_epsilon:g} at "
+        f"δ = {delta:g}: trials at σ = {trial_sigma:.3f} for {config.trial_epochs:g} epoch(s) "
+        f"(ε_tuning {split.tuning_epsilon:.3f}), final run at σ = {sigma:.3f} (ε_training "
+        f"{split.training_epsilon:.3f}), total {split.planned_total:.3f}"
     )
     tuner = Tuner(search, method.name, config.spec(), seed=config.seed)
     outcome = _run_trials(tuner, splits.tuning, delta, console)
-    default = TrialConfig(
-        max_grad_norm=config.max_grad_norm, lr=config.lr, noise_multiplier=sigma,
-        epochs=config.epochs, batch_size=config.batch_size, model=config.model,
-        optimizer=config.optimizer, seed=config.seed,
-    )  # fmt: skip
+    _check_tuning_event(outcome, split)
+    default = _default_config(config, sigma)
     chosen = default
     if outcome.chosen is not None:
         chosen = default.with_(
             max_grad_norm=outcome.chosen.config.max_grad_norm, lr=outcome.chosen.config.lr
         )
     final = train_final(
-        chosen, splits.final, config.target_epsilon, delta, accountant, outcome,
-        out / "final", console, dataset_name=data.name,
+        chosen, splits.final, split.training_epsilon, delta, accountant, outcome,
+        out / "final", console, dataset_name=data.name, total_budget=config.target_epsilon,
     )  # fmt: skip
     baseline = None
-    if config.compare_default:
+    if config.compare_default:  # what not tuning gives: the whole budget on one run
         baseline = train_final(
             default, splits.final, config.target_epsilon, delta, accountant, None,
             None, console, dataset_name=data.name,
         )  # fmt: skip
     files: dict[str, Path] = {"report": out / "final" / "report.md"}
-    extra = _pictures(search, outcome, config, chosen.max_grad_norm, sigma, out, files)
+    clip = _clip_choice(search, outcome)
+    extra = _pictures(search, outcome, clip, config, chosen.max_grad_norm, sigma, out, files)
+    edges = [] if outcome.chosen is None else search_edges(search, outcome.chosen.config, clip)
     _check_informative(outcome, data.num_classes)
     for note in outcome.notes:
         console.print(f"[yellow]note:[/] {note}")
     summary = {
         "config": json.loads(json.dumps(asdict(config), default=str)),
         "delta": delta,
+        "budget": split.to_dict(),
         "noise_multiplier": sigma,
         "trial_noise_multiplier": trial_sigma,
         "public_tuning_examples": splits.public_size,
@@ -332,6 +250,7 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
         "validation_examples": len(splits.tuning.validation),
         "test_examples": len(splits.final.test),
         "tuning": outcome.to_dict(),
+        "grid_edges": [edge.message() for edge in edges],
         **extra,
         "final": final,
         "untuned_default": baseline,
@@ -341,6 +260,7 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
     files["summary"] = out / SUMMARY_FILE
+    warn_grid_edges(edges)
     return TuneSummary(out, summary, files)
 
 
@@ -359,19 +279,6 @@ def _uncovered(baseline: bool, trials: bool) -> list[str]:
             "run's total"
         )
     return notes
-
-
-def parse_grid(text: str | Sequence[float]) -> tuple[float, ...]:
-    """'0.1,0.3,1' → (0.1, 0.3, 1.0); an empty text is an empty grid (refused later)."""
-    if not isinstance(text, str):
-        return tuple(float(v) for v in text)
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        return tuple(float(p) for p in parts)
-    except ValueError:
-        raise ValueError(
-            f"a grid is comma-separated numbers, e.g. 0.1,0.3,1; got {text!r}"
-        ) from None
 
 
 __all__ = [
