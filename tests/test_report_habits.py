@@ -114,6 +114,8 @@ def test_the_guard_note_says_tuning_trials_ran_before_the_final_training(poisson
     md = build_report(_facts(run, tuning=TuningFacts("private", 3))).to_markdown()
     (line,) = [x for x in md.splitlines() if x.startswith("- target ε (budget guard)")]
     assert "tuning trials ran before this training run" in line
+    (tuning,) = [x for x in md.splitlines() if x.startswith("- tuning: ε_tuning")]
+    assert "the tuning trials ran before this training run" in tuning
     assert "after training (e.g. the tuning" not in md
 
 

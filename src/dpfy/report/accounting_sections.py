@@ -148,7 +148,8 @@ def _tuning_statement(facts: RunFacts, epsilons: dict[str, float], events: dict[
     if TUNING in epsilons:
         return (
             f"ε_tuning = {show_epsilon(epsilons[TUNING])} from {events.get(TUNING, 0)} tuning "
-            "event(s) recorded in the ledger (guide §5.4.2)."
+            "event(s) in the ledger (guide §5.4.2): the tuning trials ran before this training "
+            "run, and their cost was added to its ledger once training ended."
         )
     tuning = facts.tuning
     if tuning.data == "public":
