@@ -66,6 +66,7 @@ def timing_worker(steps: int, out: Path) -> None:
 
     import dpfy
     from dpfy.data.datasets import load_dataset
+    from dpfy.data.loader import rest_of_run
     from dpfy.train.distributed import launched_process_group
     from dpfy.train.models import build_model
 
@@ -82,7 +83,7 @@ def timing_worker(steps: int, out: Path) -> None:
                 steps=steps + 3, noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, seed=0,
             )  # fmt: skip
             started = 0.0
-            for index, (x, y) in enumerate(private.loader):
+            for index, (x, y) in enumerate(rest_of_run(private.loader)):
                 if index == 3:  # after the warm-up steps, all ranks start the clock together
                     _barrier(world)
                     started = time.perf_counter()

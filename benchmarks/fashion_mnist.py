@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpfy
 from dpfy.data.datasets import load_dataset
+from dpfy.data.loader import rest_of_run
 from dpfy.plan.accounting import calibrate_noise_multiplier
 from dpfy.train.models import build_model
 
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     criterion = nn.CrossEntropyLoss()
     loss_sum, seen, epoch = 0.0, 0, 0
-    for step, batch in enumerate(private.loader, start=1):
+    for step, batch in enumerate(rest_of_run(private.loader), start=1):
         x, y = batch
         private.optimizer.zero_grad()
         loss = criterion(private.model(x), y)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.data.loader import rest_of_run
 from dpfy.train.grads import make_engine
 from dpfy.train.noise.source import TorchNoise
 from test_grads import TinyTransformer, assert_matches_reference, cross_entropy
@@ -110,7 +111,7 @@ def test_update_noise_on_the_gpu_has_variance_sigma_c_over_b_times_lr_squared():
     lr, sigma, clip, batch = 0.5, 1.3, 0.7, 40
     private = zero_gradient_run(sigma, clip, batch, lr)
     before = torch.cat([p.detach().flatten() for p in private.model.parameters()])
-    for x, _ in private.loader:
+    for x, _ in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         private.model(x.to(GPU)).sum().backward()
         private.optimizer.step()

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.data.loader import rest_of_run
 from dpfy.data.sharding import ShardedPoissonSampler
 from dpfy.train.distributed import (
     PeerFailure,
@@ -118,7 +119,7 @@ def _train_and_record(config: str) -> dict[str, Any]:
     private = private_run(config)
     batches: list[tuple[torch.Tensor, torch.Tensor]] = []
     xs, ys = [], []
-    for x, y in private.loader:
+    for x, y in rest_of_run(private.loader):
         xs.append(x)
         ys.append(y)
         step(private, x, y)
@@ -144,7 +145,7 @@ def _noise_update() -> torch.Tensor:
         max_grad_norm=NOISE["clip"], seed=3,
     )  # fmt: skip
     before = flat(model)
-    for x, _ in private.loader:
+    for x, _ in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         private.model(x).sum().backward()
         private.optimizer.step()

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 import dpfy
 from dpfy.cli.app import app
+from dpfy.data.loader import rest_of_run
 from dpfy.train.grads import find_rule, make_engine, registered_layers
 from dpfy.train.grads.capture import Call, output_tensors
 from dpfy.train.grads.substitutions import (
@@ -122,7 +123,7 @@ def test_an_empty_batch_is_a_noise_only_step_that_is_accounted(layer_type) -> No
     assert contains or _uses(probe, layer_type), "the example lacks the layer type under test"
     names = [name for name, p in probe.named_parameters() if p.requires_grad]
     sizes, noise = [], []
-    for xb, yb in private.loader:
+    for xb, yb in rest_of_run(private.loader):
         before = {name: p.detach().clone() for name, p in probe.named_parameters()}
         steps = private.ledger.steps
         private.optimizer.zero_grad()

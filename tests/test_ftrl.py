@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.data.loader import PlanComplete, rest_of_run
 from dpfy.data.ordered_sampling import OrderedSampler
 from dpfy.data.provenance import Provenance
 from dpfy.plan.accounting import make_accountant
@@ -78,7 +79,7 @@ def tiny_model(d: int = 5, seed: int = 0) -> nn.Module:
 
 def train(private, steps: int | None = None) -> None:
     """The user's ordinary loop over the private loader."""
-    for i, (x, y) in enumerate(private.loader, start=1):
+    for i, (x, y) in enumerate(rest_of_run(private.loader), start=1):
         private.optimizer.zero_grad()
         nn.functional.cross_entropy(private.model(x), y).backward()
         private.optimizer.step()
@@ -458,7 +459,7 @@ def test_noise_on_the_parameters_is_lr_times_tree_noise_over_b():
         model, optimizer, data, batch_size=b, delta=1e-3, max_grad_norm=c,
         noise_multiplier=sigma, steps=1, seed=3, sampler="fixed-order", algorithm="dp-ftrl",
     )  # fmt: skip
-    for xb, yb in private.loader:
+    for xb, yb in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         nn.functional.mse_loss(private.model(xb).squeeze(1), yb).backward()
         private.optimizer.step()
@@ -469,7 +470,7 @@ def test_restart_starts_a_fresh_tree_whose_first_release_is_its_first_leaf():
     private = ftrl_run(restart_every=2, steps=5)
     mechanism = private.optimizer.mechanism
     seen = []
-    for x, y in private.loader:
+    for x, y in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         nn.functional.cross_entropy(private.model(x), y).backward()
         private.optimizer.step()
@@ -517,6 +518,9 @@ def test_target_epsilon_is_met_and_the_budget_guard_refuses_the_next_node():
     train(private)
     assert private.ledger.epsilon() <= 2.0
     assert private.ledger.epsilon() > 2.0 * 0.99  # calibrated, not wasteful
+    with pytest.raises(PlanComplete, match="all 12 planned steps"):
+        next(iter(private.loader))  # the loader holds no step beyond the plan
+    private.loader.dp_sampler.total = None  # an edited loader: the ledger's guard still holds
     x, y = next(iter(private.loader))  # the next epoch's first batch
     before = copy.deepcopy(private.model.state_dict())
     private.optimizer.zero_grad()

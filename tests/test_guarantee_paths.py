@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpfy
+from dpfy.data.loader import rest_of_run
 from dpfy.train.grads import make_engine
 
 
@@ -115,7 +116,7 @@ def test_microbatch_slots_are_drawn_per_example_uniformly_and_independently_of_p
     slots = private.loader.microbatches.slots
     counts = torch.zeros(slots)
     first_slots = []
-    for x, _ in private.loader:
+    for x, _ in rest_of_run(private.loader):
         units = private.loader.provenance.current.units
         assert units is not None and units.shape == (len(x),)
         assert int(units.min()) >= 0 and int(units.max()) < slots
@@ -338,7 +339,7 @@ def test_ftrl_step_after_a_skipped_batch_is_refused():
 def test_ftrl_tree_positions_follow_the_loader_across_epochs():
     private = ftrl_run()
     positions = []
-    for batch in private.loader:
+    for batch in rest_of_run(private.loader):
         positions.append(private.loader.provenance.current.epoch_position)
         private.optimizer.zero_grad()
         backward(private, batch)

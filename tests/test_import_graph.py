@@ -141,3 +141,53 @@ def test_planning_a_run_imports_no_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+#: Modules named in a string and imported late, against the layer order, on purpose: the
+#: session's ``report()`` reaches the report stage, which reads the session.
+LATE_BOUND_SEAMS = {("dpfy.train.report_seam", "dpfy.report.session_report")}
+
+
+def _import_strings(tree: ast.AST) -> list[ast.expr]:
+    """Where a module name may hide: lazy-export dict values, assigned constants, call args."""
+    found: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            found += node.values
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            found.append(node.value)
+        elif isinstance(node, ast.Call):
+            found += node.args
+    return found
+
+
+def named_modules() -> dict[str, set[str]]:
+    """Module → the dpfy modules it names in strings it may import (lazy exports, seams)."""
+    known = modules()
+    named: dict[str, set[str]] = {}
+    for name, path in known.items():
+        for node in _import_strings(ast.parse(path.read_text())):
+            value = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(value, str) and value in known and value.startswith("dpfy."):
+                if value != name:
+                    named.setdefault(name, set()).add(value)
+    return named
+
+
+def test_modules_named_in_strings_keep_the_layer_order_but_for_declared_seams():
+    rank = {stage: i for i, layer in enumerate(LAYERS) for stage in layer}
+    upward = {
+        (module, target)
+        for module, targets in named_modules().items()
+        for target in targets
+        if stage_of(module) != "dpfy"  # the root package's lazy names reach every stage
+        and rank[stage_of(target)] > rank[stage_of(module)]
+    }
+    assert upward == LATE_BOUND_SEAMS
+
+
+def test_the_declared_seam_loads_the_report_writer():
+    from dpfy.train.report_seam import REPORT_MODULE, report_writer
+
+    assert (("dpfy.train.report_seam", REPORT_MODULE)) in LATE_BOUND_SEAMS
+    assert report_writer().__module__ == REPORT_MODULE

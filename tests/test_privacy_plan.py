@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.data.loader import rest_of_run
 from dpfy.data.provenance import Provenance
 from dpfy.plan.accounting import make_accountant
 from dpfy.plan.accounting.events import SelfComposedEvent
@@ -138,7 +139,7 @@ def test_every_variant_takes_the_same_private_step(options):
     )  # fmt: skip
     assert type(private.optimizer) is DPOptimizer
     assert private.optimizer.plan is private.plan
-    for x, y in private.loader:
+    for x, y in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         nn.functional.cross_entropy(private.model(x), y).backward()
         private.optimizer.step()

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.data.loader import PlanComplete, rest_of_run
 from dpfy.plan.accounting import PldAccountant, dpsgd_event
 from dpfy.train.ledger import BudgetExhausted
 from dpfy.train.noise import source as dpfy_noise
@@ -33,7 +34,7 @@ def train(private: dpfy.PrivateTraining, stop_after: int | None = None) -> int:
     """The user's ordinary loop; returns the number of optimizer steps taken."""
     criterion = nn.CrossEntropyLoss()
     taken = 0
-    for x, y in private.loader:
+    for x, y in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         criterion(private.model(x), y).backward()
         private.optimizer.step()
@@ -70,7 +71,7 @@ def test_update_noise_has_variance_sigma_c_over_b_times_lr_squared():
         delta=1e-5, max_grad_norm=clip, seed=3,
     )  # fmt: skip
     before = flat(model)
-    for x, _ in private.loader:
+    for x, _ in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         private.model(x).sum().backward()
         private.optimizer.step()
@@ -94,7 +95,7 @@ def test_update_divides_by_the_expected_batch_size_not_the_realised_one():
         delta=1e-5, max_grad_norm=1e3, seed=5, loss_reduction="sum",
     )  # fmt: skip
     criterion = nn.CrossEntropyLoss(reduction="sum")
-    for x, y in private.loader:
+    for x, y in rest_of_run(private.loader):
         realised = x.shape[0]
         private.optimizer.zero_grad()
         criterion(private.model(x), y).backward()
@@ -116,7 +117,7 @@ def test_empty_batch_still_steps_with_noise_and_is_accounted():
         delta=1e-6, max_grad_norm=1.0, seed=11,
     )  # fmt: skip
     sizes = []
-    for x, y in private.loader:
+    for x, y in rest_of_run(private.loader):
         sizes.append(x.shape[0])
         before = flat(model)
         private.optimizer.zero_grad()
@@ -171,6 +172,9 @@ def test_budget_guard_stops_at_the_target_before_touching_the_model():
     spent = private.epsilon()
     steps = private.ledger.steps
     before = flat(model)
+    with pytest.raises(PlanComplete, match="all 40 planned steps"):
+        next(iter(private.loader))  # the loader holds no step beyond the plan
+    private.loader.dp_sampler.total = None  # an edited loader: the ledger's guard still holds
     x, y = next(iter(private.loader))
     private.optimizer.zero_grad()
     nn.functional.cross_entropy(private.model(x), y).backward()
@@ -244,7 +248,7 @@ def test_microbatch_noise_uses_twice_the_sensitivity():
         noise_multiplier=sigma, delta=1e-5, max_grad_norm=clip, microbatch_size=k, seed=9,
     )  # fmt: skip
     before = flat(model)
-    for x, _ in private.loader:
+    for x, _ in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         private.model(x).sum().backward()
         private.optimizer.step()

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.data.loader import rest_of_run
 from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.report import card as card_module
 from dpfy.report.facts import (
@@ -71,7 +72,7 @@ def private_run(
             seed=0,
         )
         with record_clip_norms(run) as log:
-            for xb, yb in run.loader:
+            for xb, yb in rest_of_run(run.loader):
                 run.optimizer.zero_grad()
                 nn.functional.cross_entropy(run.model(xb), yb).backward()
                 run.optimizer.step()

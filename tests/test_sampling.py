@@ -18,6 +18,7 @@ from dpfy.data import (
     ShuffleSampler,
     make_sampler,
 )
+from dpfy.data.loader import rest_of_run
 from dpfy.data.randomness import _SCALE, _threshold
 from dpfy.plan.accounting.events import FixedSizeSampledEvent, GaussianEvent, PoissonSampledEvent
 
@@ -79,7 +80,9 @@ def test_q_comes_from_dataset_size_and_expected_batch_size():
     for kwargs in ({}, {"steps": 3}, {"epochs": 5}):
         loader = DPDataLoader(data, 10, generator=gen(), **kwargs)
         assert loader.sampling_rate == 0.01  # never 1 / len(loader)
-    assert len(DPDataLoader(data, 10, epochs=5)) == 500
+    five = DPDataLoader(data, 10, epochs=5)
+    assert len(five) == 100 == five.steps_per_epoch  # one iteration is one epoch
+    assert (five.total_steps, five.epochs) == (500, 5)
     assert len(DPDataLoader(data, 10)) == 100 == DPDataLoader(data, 10).steps_per_epoch
 
 
@@ -221,7 +224,7 @@ def test_loader_yields_correctly_shaped_empty_batches():
     data = TensorDataset(torch.randn(20, 3, 4), torch.arange(20))
     loader = DPDataLoader(data, 1, steps=200, generator=gen(1))  # q = 0.05
     shapes = collections.Counter()
-    for x, y in loader:
+    for x, y in rest_of_run(loader):
         assert x.shape[1:] == (3, 4) and x.dtype == data.tensors[0].dtype
         assert y.shape == x.shape[:1] and y.dtype == torch.int64
         shapes[x.shape[0]] += 1

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 import dpfy
+from dpfy.data.loader import rest_of_run
 from dpfy.data.user_sampling import UserDataLoader, UserPoissonSampler, check_user_ids
 from dpfy.plan.accounting import PldAccountant, dpsgd_event
 from dpfy.plan.accounting.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
@@ -212,7 +213,7 @@ def flat(model: nn.Module) -> Tensor:
 def run(private: dpfy.PrivateTraining, criterion: nn.Module | None = None) -> int:
     criterion = criterion or nn.CrossEntropyLoss()
     taken = 0
-    for x, y in private.loader:
+    for x, y in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         criterion(private.model(x), y).backward()
         private.optimizer.step()
@@ -230,7 +231,7 @@ def test_update_is_the_sum_of_clipped_user_means_over_expected_users():
         steps=1, noise_multiplier=1e-12, delta=1e-5, max_grad_norm=clip, user_ids=ids,
         max_examples_per_user=4, seed=2,
     )  # fmt: skip
-    for x, y in private.loader:
+    for x, y in rest_of_run(private.loader):
         batch_users = private.loader.provenance.current.units.clone()
         private.optimizer.zero_grad()
         nn.CrossEntropyLoss()(private.model(x), y).backward()
@@ -263,7 +264,7 @@ def test_noise_std_is_sigma_c_per_coordinate_divided_by_expected_users():
         steps=1, noise_multiplier=sigma, delta=1e-5, max_grad_norm=clip, user_ids=ids, seed=3,
     )  # fmt: skip
     before = flat(model)
-    for x, _ in private.loader:
+    for x, _ in rest_of_run(private.loader):
         private.optimizer.zero_grad()
         private.model(x).sum().backward()
         private.optimizer.step()
@@ -425,7 +426,7 @@ def test_check_user_ids_accepts_a_clean_numbering():
 def test_empty_user_step_is_still_a_noised_accounted_step():
     data, ids = user_data(users=30)
     loader = UserDataLoader(data, ids, 1, steps=40, generator=torch.Generator().manual_seed(1))
-    sizes = [len(y) for _, y in loader]
+    sizes = [len(y) for _, y in rest_of_run(loader)]
     assert 0 in sizes and len(sizes) == 40  # q = 1/30: some steps sample nobody
     model = small_mlp()
     private = dpfy.make_private(

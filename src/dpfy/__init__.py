@@ -22,6 +22,8 @@ _EXPORTS = {
     "DPOptimizer": "dpfy.train.optim",
     "NonFiniteGradientError": "dpfy.train.optim",
     "DPDataLoader": "dpfy.data",
+    "PlanComplete": "dpfy.data",
+    "rest_of_run": "dpfy.data",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

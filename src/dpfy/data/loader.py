@@ -9,7 +9,9 @@ with zero rows. Every batch it hands out is published to its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -20,21 +22,29 @@ from dpfy.data.batches import batch_length, holds_batches
 from dpfy.data.microbatches import MicrobatchSlots
 from dpfy.data.provenance import Provenance
 from dpfy.data.randomness import SecureSource, TorchSource
-from dpfy.data.sampling import DpBatchSampler, check_batch_size, make_sampler
+from dpfy.data.sampling import DpBatchSampler, check_batch_size, epoch_length, make_sampler
 from dpfy.plan.accounting.events import DpEvent
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 
 _RESERVED = ("batch_size", "shuffle", "batch_sampler", "drop_last")
 
 
+class PlanComplete(RuntimeError):
+    """The loader has handed out every step of its run; another pass would exceed the plan."""
+
+
 class DPDataLoader(DataLoader):
     """Batches drawn by a DP sampler; q = B/N from the dataset size and expected batch size.
 
-    One pass over the loader yields exactly ``steps`` batches: by default one epoch, ``N // B``
-    steps, so the usual ``for epoch in range(E): for batch in loader`` loop works; ``epochs=E``
-    instead makes one pass the whole run (``E · N // B`` steps). ``microbatch_size=k`` draws
-    each example's microbatch independently (:mod:`dpfy.data.microbatches`) and publishes it with
-    the batch, for microbatch clipping.
+    One pass over the loader is one epoch of ``N // B`` steps, as with any torch DataLoader, so
+    the usual ``for epoch in range(E): for batch in loader`` loop works. ``steps`` (or
+    ``epochs``, ``steps = ⌈E · N / B⌉``) bounds the run: the last pass may be shorter, and a pass
+    beyond the bound raises :class:`PlanComplete` rather than drawing steps nobody planned.
+    Without either the stream is unbounded (whoever steps on it accounts each step).
+    ``microbatch_size=k`` draws each example's microbatch independently
+    (:mod:`dpfy.data.microbatches`) and publishes it with the batch, for microbatch clipping.
+    ``generator`` drives the sampler; ``worker_generator`` is torch's DataLoader ``generator``,
+    which seeds worker processes (e.g. their augmentations) and never decides a batch.
     """
 
     def __init__(
@@ -43,12 +53,13 @@ class DPDataLoader(DataLoader):
         batch_size: int,
         *,
         steps: int | None = None,
-        epochs: int | None = None,
+        epochs: float | None = None,
         sampler: SamplingKind | str | DpBatchSampler = SamplingKind.POISSON,
         generator: torch.Generator | None = None,
         secure: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         microbatch_size: int | None = None,
+        worker_generator: torch.Generator | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         dataset_size = dataset_size_of(dataset)
@@ -56,29 +67,24 @@ class DPDataLoader(DataLoader):
         for name in (*_RESERVED, "sampler"):
             if name in dataloader_kwargs:
                 raise ValueError(f"DPDataLoader chooses {name} itself; do not pass it")
-        per_epoch = dataset_size // batch_size
-        steps = _resolve_steps(steps, epochs, per_epoch)
+        per_epoch = epoch_length(dataset_size, batch_size)
+        total = _resolve_total(steps, epochs, per_epoch)
         if isinstance(sampler, DpBatchSampler):  # built by the caller (e.g. a rank's shard)
-            if sampler.dataset_size != dataset_size:
-                raise ValueError(
-                    f"the sampler draws from {sampler.dataset_size} examples but the dataset has "
-                    f"{dataset_size}; build the sampler for this dataset"
-                )
-            batch_sampler = sampler
+            batch_sampler = _own_sampler(sampler, dataset_size, total)
         else:
             batch_sampler = make_sampler(
-                sampler, dataset_size, batch_size, steps, generator, secure=secure
+                sampler, dataset_size, batch_size, per_epoch, generator, secure=secure, total=total
             )
         collate = collate_fn if collate_fn is not None else default_collate
         super().__init__(
             dataset,
             batch_sampler=batch_sampler,
             collate_fn=EmptyBatchCollate(collate, empty_batch_like(collate, dataset)),
+            generator=worker_generator,  # seeds worker processes only; never the sampling
             **dataloader_kwargs,
         )
         self.expected_batch_size = batch_size
-        self.steps_per_epoch = per_epoch
-        self._consumed = 0  # batches handed out in the current pass
+        self._consumed = 0  # batches handed out since the run began
         self.provenance = Provenance()
         self.microbatches = (
             None
@@ -105,9 +111,42 @@ class DPDataLoader(DataLoader):
         """The event one step accounts at noise multiplier σ."""
         return self.dp_sampler.step_event(noise_multiplier)
 
+    @property
+    def steps_per_epoch(self) -> int | Fraction:
+        """The steps of one pass: N / B expected (pass k ends at ⌈k · N/B⌉), or whole batches."""
+        return self.dp_sampler.steps
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's steps over all passes (None: unbounded)."""
+        return self.dp_sampler.total
+
+    @property
+    def epochs(self) -> int | None:
+        """The passes the run takes, the last one possibly short (None: unbounded)."""
+        return self.dp_sampler.passes
+
+    @property
+    def epoch(self) -> int:
+        """The 0-based pass the next iteration runs, or continues if it was left part-way."""
+        return self.dp_sampler.pass_index(self._consumed)
+
+    @property
+    def steps_taken(self) -> int:
+        """Batches handed out so far, over all passes."""
+        return self._consumed
+
     def __iter__(self) -> Iterator[Any]:
-        """Iterate as DataLoader does, publishing each batch as it is handed out."""
-        self._consumed = self.dp_sampler.resume_position or 0
+        """One pass (epoch) as DataLoader does, publishing each batch as it is handed out."""
+        total = self.total_steps
+        if total is not None and self._consumed >= total:
+            raise PlanComplete(
+                f"this loader has handed out all {total} planned steps ({self.epochs} epochs); "
+                "the run is complete. Loop over "
+                "`range(loader.epochs)` passes, or plan more epochs or steps (each one spends "
+                "privacy)"
+            )
+        self.dp_sampler.rewind(self._consumed)  # a pass left early: redraw what workers drew
         for batch in super().__iter__():
             self._consumed += 1
             yield self._publish(batch)
@@ -152,6 +191,14 @@ class DPDataLoader(DataLoader):
         self._consumed = self.dp_sampler.position
 
 
+def rest_of_run(loader: DPDataLoader) -> Iterator[Any]:
+    """Every batch the run still holds, epoch after epoch: a bounded loader's whole plan."""
+    if loader.epochs is None:
+        raise ValueError("the loader is unbounded (no steps or epochs): loop over its epochs")
+    for _ in range(loader.epoch, loader.epochs):
+        yield from loader
+
+
 def checked_loader_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     """DataLoader options a private run may take; those that decide the sampling are refused."""
     options = dict(options or {})
@@ -161,7 +208,7 @@ def checked_loader_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(
             f"loader_options may not set {', '.join(chosen)}: the private run draws its batches "
             "itself (Poisson, or the sampler you chose); pass DataLoader options such as "
-            "num_workers or pin_memory only"
+            "num_workers, pin_memory, collate_fn or worker_generator (it seeds workers) only"
         )
     return options
 
@@ -263,12 +310,33 @@ def dataset_size_of(dataset: Dataset) -> int:
     return size
 
 
-def _resolve_steps(steps: int | None, epochs: int | None, per_epoch: int) -> int:
-    """Steps per pass from ``steps`` or ``epochs`` (not both); one epoch by default."""
+def _resolve_total(
+    steps: int | None, epochs: float | None, per_epoch: int | Fraction
+) -> int | None:
+    """The run's steps from ``steps`` or ``epochs`` (not both); unbounded without either."""
     if steps is not None and epochs is not None:
         raise ValueError("pass steps or epochs, not both")
     if steps is not None:
         return check_count("steps", steps, minimum=1)
-    if epochs is not None:
-        return check_count("epochs", epochs, minimum=1) * per_epoch
-    return per_epoch
+    if epochs is None:
+        return None
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
+        raise ValueError(f"epochs must be a number > 0, got {epochs!r}")
+    if not math.isfinite(epochs):
+        raise ValueError("epochs must be finite; pass the number of passes the run takes")
+    return max(1, math.ceil(epochs * float(per_epoch)))  # as the plan computes ⌈E · N/B⌉
+
+
+def _own_sampler(sampler: DpBatchSampler, dataset_size: int, total: int | None) -> DpBatchSampler:
+    """A sampler built by the caller (e.g. a rank's shard) fixes its own passes and length."""
+    if sampler.dataset_size != dataset_size:
+        raise ValueError(
+            f"the sampler draws from {sampler.dataset_size} examples but the dataset has "
+            f"{dataset_size}; build the sampler for this dataset"
+        )
+    if total is not None:
+        raise ValueError(
+            "a sampler passed in fixes the run's length itself (its total); do not also pass "
+            "steps or epochs to the loader"
+        )
+    return sampler

@@ -27,10 +27,11 @@ class OrderedSampler(ShuffleSampler):
         *,
         shuffle: bool = True,
         secure: bool = False,
+        total: int | None = None,
     ) -> None:
         self.shuffle = bool(shuffle)
         self.kind = SamplingKind.TREE_SHUFFLE if self.shuffle else SamplingKind.TREE_FIXED_ORDER
-        super().__init__(dataset_size, batch_size, steps, generator, secure=secure)
+        super().__init__(dataset_size, batch_size, steps, generator, secure=secure, total=total)
 
     @property
     def record(self) -> SamplingRecord:

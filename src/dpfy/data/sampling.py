@@ -7,17 +7,22 @@ it is accounted. :class:`ShuffleSampler` and :class:`FixedSizeSampler` exist onl
 choices and their :class:`~dpfy.plan.sampling.SamplingRecord` says plainly that they are not
 Poisson.
 
-A sampler is a stream of batches: one iteration (a *pass*) yields exactly ``steps`` batches and
-the next pass continues the same random stream. ``state_dict()`` / ``load_state_dict()`` capture
-the stream and the position inside the pass, so a resumed run draws the very batches an
-uninterrupted one would have drawn.
+A sampler is a stream of batches cut into passes of ``steps`` batches (a loader's epochs): each
+iteration yields the rest of the current pass and the next continues the same random stream.
+``steps`` may be a fraction, as an epoch of N/B expected steps is: pass k then ends at step
+⌈k · steps⌉, so E passes hold exactly the ⌈E · N/B⌉ steps a plan of E epochs takes.
+``total`` bounds the stream (a run's planned steps; the last pass may be shorter), ``None``
+leaves it unbounded. ``state_dict()`` / ``load_state_dict()`` capture the stream and its
+position, so a resumed run draws the very batches an uninterrupted one would have drawn.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
+import math
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +33,7 @@ from dpfy.data.randomness import RandomSource, make_source
 from dpfy.plan.accounting.events import DpEvent
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: positions count the whole stream, not one pass
 
 # How many recent positions a sampler can still report state for. A DataLoader with workers
 # draws batches ahead of the ones it has handed out (num_workers × prefetch_factor), so the
@@ -37,23 +42,24 @@ _HISTORY = 1024
 
 
 class DpBatchSampler(Sampler[list[int]], abc.ABC):
-    """Shared machinery: a pass of ``steps`` batches, a random source, resumable snapshots."""
+    """Shared machinery: passes of ``steps`` batches, a random source, resumable snapshots."""
 
     kind: ClassVar[SamplingKind]
 
     def __init__(
         self,
         dataset_size: int,
-        steps: int,
+        steps: int | Fraction,
         generator: torch.Generator | None = None,
         *,
         secure: bool = False,
+        total: int | None = None,
     ) -> None:
         self.dataset_size = check_count("dataset_size", dataset_size, minimum=1)
-        self.steps = check_count("steps", steps, minimum=1)
+        self.steps = check_pass_length(steps)
+        self.total = None if total is None else check_count("total", total, minimum=1)
         self._source: RandomSource = make_source(generator, secure)
-        self._position = 0  # batches drawn in the current pass
-        self._resume_at: int | None = None  # set by load_state_dict, consumed by __iter__
+        self._position = 0  # batches drawn from the whole stream
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=_HISTORY)
         self._history.append(self._snapshot())
 
@@ -78,15 +84,13 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
 
     @property
     def position(self) -> int:
-        """Batches drawn so far in the current pass (workers may draw ahead of the consumer)."""
+        """Batches drawn so far from the stream (workers may draw ahead of the consumer)."""
         return self._position
 
     @property
-    def resume_position(self) -> int | None:
-        """Where the next pass starts after :meth:`load_state_dict`, else None (a fresh pass)."""
-        if self._resume_at is None or self._resume_at >= self.steps:
-            return None
-        return self._resume_at
+    def remaining(self) -> int | None:
+        """Batches the stream still holds (None: unbounded)."""
+        return None if self.total is None else self.total - self._position
 
     @property
     def secure(self) -> bool:
@@ -95,24 +99,48 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
 
     # -- iteration -----------------------------------------------------------------------------
     def __len__(self) -> int:
-        return self.steps
+        """The batches the next iteration yields: the rest of the current pass."""
+        return self._pass_end() - self._position
+
+    def _pass_end(self) -> int:
+        """Where the current pass ends: its boundary, or the end of a bounded stream."""
+        end = math.ceil((self._position // self.steps + 1) * self.steps)
+        return end if self.total is None else min(end, self.total)
+
+    @property
+    def passes(self) -> int | None:
+        """The passes a bounded stream takes (the last may be short); None when unbounded."""
+        if self.total is None:
+            return None
+        return int((self.total - 1) // self.steps) + 1  # the first k with ⌈k · steps⌉ ≥ total
+
+    def pass_index(self, position: int) -> int:
+        """The 0-based pass that batch ``position`` + 1 of the stream belongs to."""
+        return int(position // self.steps)
 
     def __iter__(self) -> Iterator[list[int]]:
-        """Yield the remaining batches of the pass: all ``steps`` of them unless resuming."""
-        if self._resume_at is not None:
-            start, self._resume_at = self._resume_at, None
-            if start >= self.steps:
-                start = 0
-        else:
-            start = 0
-        self._position = start
-        self._history.clear()
-        self._history.append(self._snapshot())
-        for _ in range(start, self.steps):
+        """Yield the rest of the current pass (a resumed stream continues its interrupted pass)."""
+        end = self._pass_end()
+        while self._position < end:
             batch = self._draw().tolist()
             self._position += 1
             self._history.append(self._snapshot())
             yield batch
+
+    def rewind(self, position: int) -> None:
+        """Go back to just after batch ``position``: batches drawn ahead are drawn again, equal.
+
+        A DataLoader's workers draw a few batches before they are handed out; when a pass is
+        left early, the loader rewinds to what it handed out, so no batch is skipped.
+        """
+        if position == self._position:
+            return
+        snapshot = self._snapshot_at(position)
+        self._source.set_state(snapshot["rng"])
+        self._restore_context(snapshot)
+        self._position = position
+        while self._history[-1]["position"] != position:
+            self._history.pop()
 
     @abc.abstractmethod
     def _draw(self) -> torch.Tensor:
@@ -135,13 +163,14 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
         return {
             "kind": self.kind.value,
             "dataset_size": self.dataset_size,
-            "steps": self.steps,
+            "steps": str(self.steps),  # a fraction, as text: checkpoints hold plain values
+            "total": self.total,
             "sampling_rate": self.sampling_rate,
             "secure": self.secure,
         }
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
-        """The stream state after ``position`` batches of the current pass (default: all drawn).
+        """The stream state after ``position`` batches of the stream (default: all drawn).
 
         ``position`` lets a DataLoader that prefetches report the state as of the batches it has
         actually handed out; it must be one of the last ~1000 positions drawn.
@@ -151,13 +180,13 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
     def _snapshot_at(self, position: int) -> dict[str, Any]:
-        """The stream state just after batch ``position`` of this pass was drawn."""
+        """The stream state just after batch ``position`` of the stream was drawn."""
         for snapshot in reversed(self._history):
             if snapshot["position"] == position:
                 return snapshot
         drawn = [s["position"] for s in self._history]
         raise ValueError(
-            f"no sampler state for position {position} of this pass "
+            f"no sampler state for position {position} of the stream "
             f"(known: {drawn[0]}..{drawn[-1]})"
         )
 
@@ -165,7 +194,7 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
         """Resume the stream: the next iteration continues the interrupted pass.
 
         Refuses (ValueError, nothing changed) a state written by a sampler of another kind,
-        dataset size, rate, pass length or randomness source.
+        dataset size, rate, pass length, stream length or randomness source.
         """
         if not isinstance(state, dict):
             raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
@@ -183,8 +212,8 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
         saved_rng, saved_context = self._source.get_state(), self._context()
         try:
             position = check_count("position", state["position"])
-            if position > self.steps:
-                raise ValueError(f"position {position} exceeds the pass length {self.steps}")
+            if self.total is not None and position > self.total:
+                raise ValueError(f"position {position} exceeds the stream's {self.total} batches")
             self._source.set_state(state["rng"])
             self._restore_context(state)
         except (ValueError, TypeError, KeyError, RuntimeError) as err:
@@ -192,7 +221,6 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
             self._restore_context(saved_context)
             raise ValueError(f"corrupt sampler state: {err}") from None
         self._position = position
-        self._resume_at = position
         self._history.clear()
         self._history.append(self._snapshot())
 
@@ -210,23 +238,25 @@ class PoissonSampler(DpBatchSampler):
         self,
         dataset_size: int,
         sampling_rate: float,
-        steps: int,
+        steps: int | Fraction,
         generator: torch.Generator | None = None,
         *,
         secure: bool = False,
+        total: int | None = None,
     ) -> None:
         self._sampling_rate = check_sampling_rate(sampling_rate)
-        super().__init__(dataset_size, steps, generator, secure=secure)
+        super().__init__(dataset_size, steps, generator, secure=secure, total=total)
 
     @classmethod
     def from_batch_size(
         cls,
         dataset_size: int,
         expected_batch_size: int,
-        steps: int,
+        steps: int | Fraction,
         generator: torch.Generator | None = None,
         *,
         secure: bool = False,
+        total: int | None = None,
     ) -> PoissonSampler:
         """q = B/N from the dataset size and the expected batch size."""
         return cls(
@@ -235,6 +265,7 @@ class PoissonSampler(DpBatchSampler):
             steps,
             generator,
             secure=secure,
+            total=total,
         )
 
     @property
@@ -264,13 +295,14 @@ class FixedSizeSampler(DpBatchSampler):
         self,
         dataset_size: int,
         batch_size: int,
-        steps: int,
+        steps: int | Fraction,
         generator: torch.Generator | None = None,
         *,
         secure: bool = False,
+        total: int | None = None,
     ) -> None:
         self.batch_size = check_batch_size(dataset_size, batch_size)
-        super().__init__(dataset_size, steps, generator, secure=secure)
+        super().__init__(dataset_size, steps, generator, secure=secure, total=total)
 
     @property
     def record(self) -> SamplingRecord:
@@ -305,13 +337,14 @@ class ShuffleSampler(DpBatchSampler):
         generator: torch.Generator | None = None,
         *,
         secure: bool = False,
+        total: int | None = None,
     ) -> None:
         self.batch_size = check_batch_size(dataset_size, batch_size)
         self._permutation: torch.Tensor | None = None
         self._offset = 0  # batches already cut from the current permutation
         if steps is None:
             steps = dataset_size // self.batch_size
-        super().__init__(dataset_size, steps, generator, secure=secure)
+        super().__init__(dataset_size, steps, generator, secure=secure, total=total)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -356,6 +389,20 @@ class ShuffleSampler(DpBatchSampler):
         self._permutation, self._offset = permutation, offset
 
 
+def check_pass_length(steps: int | Fraction) -> int | Fraction:
+    """A pass holds a whole or fractional number of steps, at least one."""
+    if isinstance(steps, Fraction):
+        if steps < 1:
+            raise ValueError(f"a pass must hold at least one step, got {steps}")
+        return steps.numerator if steps.denominator == 1 else steps
+    return check_count("steps", steps, minimum=1)
+
+
+def epoch_length(dataset_size: int, batch_size: int) -> Fraction:
+    """An epoch of Poisson sampling: N / B expected steps, kept exact."""
+    return Fraction(check_count("dataset_size", dataset_size, minimum=1), batch_size)
+
+
 def sampling_rate_for(dataset_size: int, batch_size: int) -> float:
     """q = B/N, with one clear error when the pair cannot describe a sampler."""
     return check_batch_size(dataset_size, batch_size) / check_count(
@@ -387,16 +434,17 @@ def make_sampler(
     kind: SamplingKind | str,
     dataset_size: int,
     batch_size: int,
-    steps: int,
+    steps: int | Fraction,
     generator: torch.Generator | None = None,
     *,
     secure: bool = False,
+    total: int | None = None,
 ) -> DpBatchSampler:
-    """Build a sampler by kind name ('poisson', 'shuffle', 'fixed-size')."""
+    """Build a sampler by kind name ('poisson', 'shuffle', 'fixed-size'); passes of ``steps``."""
     kind = SamplingKind.parse(kind)
     if kind is SamplingKind.POISSON:
         return PoissonSampler.from_batch_size(
-            dataset_size, batch_size, steps, generator, secure=secure
+            dataset_size, batch_size, steps, generator, secure=secure, total=total
         )
     cls = ShuffleSampler if kind is SamplingKind.SHUFFLE else FixedSizeSampler
-    return cls(dataset_size, batch_size, steps, generator, secure=secure)
+    return cls(dataset_size, batch_size, steps, generator, secure=secure, total=total)

@@ -15,6 +15,7 @@ index ``r + kW`` join exactly when ``r' + kW`` does, and the union would not be 
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -30,12 +31,13 @@ class ShardedPoissonSampler(PoissonSampler):
         self,
         dataset_size: int,
         sampling_rate: float,
-        steps: int,
+        steps: int | Fraction,
         rank: int,
         world_size: int,
         generator: torch.Generator | None = None,
         *,
         secure: bool = False,
+        total: int | None = None,
     ) -> None:
         self.world_size = check_count("world_size", world_size, minimum=1)
         self.rank = check_count("rank", rank)
@@ -44,7 +46,7 @@ class ShardedPoissonSampler(PoissonSampler):
         check_count("dataset_size", dataset_size, minimum=1)
         # Slicing, not arange(rank, N, W): a rank past the last example gets an empty shard.
         self.shard = torch.arange(dataset_size, dtype=torch.int64)[self.rank :: self.world_size]
-        super().__init__(dataset_size, sampling_rate, steps, generator, secure=secure)
+        super().__init__(dataset_size, sampling_rate, steps, generator, secure=secure, total=total)
 
     @property
     def expected_local_batch_size(self) -> float:

@@ -15,6 +15,7 @@ optimizer reads to clip per user.
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from dpfy._validate import check_count, check_sampling_rate
 from dpfy.data.loader import DPDataLoader, EmptyBatchCollate, dataset_size_of, empty_batch_like
 from dpfy.data.provenance import Provenance
-from dpfy.data.sampling import DpBatchSampler
+from dpfy.data.sampling import DpBatchSampler, epoch_length
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 
 __all__ = [
@@ -102,11 +103,12 @@ class UserPoissonSampler(DpBatchSampler):
         self,
         user_ids: torch.Tensor,
         sampling_rate: float,
-        steps: int,
+        steps: int | Fraction,
         generator: torch.Generator | None = None,
         *,
         max_examples_per_user: int | None = None,
         secure: bool = False,
+        total: int | None = None,
     ) -> None:
         ids = check_user_ids(user_ids)
         self._sampling_rate = check_sampling_rate(sampling_rate)
@@ -118,7 +120,7 @@ class UserPoissonSampler(DpBatchSampler):
         order = torch.argsort(ids, stable=True)
         self._members = list(torch.split(order, torch.bincount(ids).tolist()))
         self.num_examples = int(ids.numel())
-        super().__init__(len(self._members), steps, generator, secure=secure)
+        super().__init__(len(self._members), steps, generator, secure=secure, total=total)
 
     @property
     def num_users(self) -> int:
@@ -188,8 +190,8 @@ class UserDataLoader(DPDataLoader):
 
     Batches look exactly like the dataset's usual collated batches; each is published with the
     user id of each of its examples as its clipping units (``provenance.current.units``).
-    Checkpoint state, resumption and the sampling record work as for :class:`DPDataLoader`.
-    One pass is ``steps`` steps.
+    Checkpoint state, resumption, passes and the sampling record work as for
+    :class:`DPDataLoader`; an epoch is N_users / B steps, ``steps`` bounds the run.
     """
 
     def __init__(
@@ -203,17 +205,20 @@ class UserDataLoader(DPDataLoader):
         generator: torch.Generator | None = None,
         secure: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        worker_generator: torch.Generator | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         ids = check_user_ids(user_ids, dataset_size_of(dataset))
         num_users = int(ids.max()) + 1
+        rate = user_sampling_rate(num_users, expected_users)
         sampler = UserPoissonSampler(
             ids,
-            user_sampling_rate(num_users, expected_users),
-            check_count("steps", steps, minimum=1),
+            rate,
+            epoch_length(num_users, expected_users),
             generator,
             max_examples_per_user=max_examples_per_user,
             secure=secure,
+            total=check_count("steps", steps, minimum=1),
         )
         for name in ("batch_size", "shuffle", "batch_sampler", "drop_last", "sampler"):
             if name in dataloader_kwargs:
@@ -227,11 +232,11 @@ class UserDataLoader(DPDataLoader):
             _Tagged(dataset, ids),
             batch_sampler=sampler,
             collate_fn=_TaggedCollate(empty),
+            generator=worker_generator,  # seeds worker processes only; never the sampling
             **dataloader_kwargs,
         )
         self.user_dataset = dataset
         self.expected_batch_size = expected_users
-        self.steps_per_epoch = max(1, num_users // expected_users)
         self._consumed = 0
         self.provenance = Provenance()
         self.microbatches = None

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpfy._validate import check_count, check_learning_rate, check_positive, check_seed
 from dpfy.data.datasets import LoadedDataset, load_dataset
+from dpfy.data.loader import rest_of_run
 from dpfy.data.users import UserSplit, split_users
 from dpfy.jobs.config import (
     ALGORITHM_NAMES,
@@ -178,7 +179,7 @@ def train_private(
     running_loss, running_correct, running_seen = 0.0, 0, 0
     with _progress(console) as progress:
         task = progress.add_task("DP-SGD", total=total, loss=math.nan, acc=math.nan, eps=0.0)
-        for step, (x, y) in enumerate(private.loader, start=1):  # one pass = the whole run
+        for step, (x, y) in enumerate(rest_of_run(private.loader), start=1):
             private.optimizer.zero_grad()
             output = private.model(x)
             loss = criterion(output, y)

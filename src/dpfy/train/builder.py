@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from dpfy._validate import check_delta, check_positive
+from dpfy.data.from_dataloader import unpack_dataloader
 from dpfy.data.loader import DPDataLoader, checked_loader_options
 from dpfy.plan.resolvers import PlanRequest, make_plan
 from dpfy.plan.sampling import SamplingKind
@@ -49,9 +50,9 @@ __all__ = [
 def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    train_dataset: Dataset,
+    train_dataset: Dataset | DataLoader,
     *,
-    batch_size: int,
+    batch_size: int | None = None,
     delta: float,
     max_grad_norm: float,
     epochs: float | None = None,
@@ -77,7 +78,11 @@ def make_private(
 ) -> PrivateTraining:
     """Make ``model`` + ``optimizer`` train privately on ``train_dataset`` (guide alg. 1).
 
-    ``batch_size`` is the *expected* batch size B (q = B/N from the dataset size). Give exactly
+    ``batch_size`` is the *expected* batch size B (q = B/N from the dataset size).
+    ``train_dataset`` may be a torch ``DataLoader``: its dataset, ``collate_fn``, workers,
+    pinning and worker-seeding generator are kept, its ``batch_size`` is B (``batch_size`` may be
+    omitted; both given must agree), and its sampler, ``shuffle`` and ``drop_last`` give way to
+    the private sampler. Give exactly
     one of ``epochs``/``steps`` and exactly one of ``target_epsilon`` (σ is calibrated and the
     budget guard stops the run there) / ``noise_multiplier``. ``sampler`` is Poisson unless you
     explicitly choose "shuffle" (accounted under the Poisson assumption, flagged as not met) or
@@ -99,6 +104,9 @@ def make_private(
     aggregated over a tree restarted every ``restart_every`` steps ("epoch", the default, or a
     divisor of N // B) with the ``tree`` estimator ("efficient", Honaker 2015, or "plain").
     """
+    train_dataset, batch_size, options = unpack_dataloader(
+        train_dataset, batch_size, checked_loader_options(loader_options)
+    )
     unit = "user" if user_ids is not None else "example"
     if user_ids is None and max_examples_per_user is not None:
         raise ValueError("max_examples_per_user needs user_ids (one user id per example)")
@@ -147,7 +155,7 @@ def make_private(
             generator,
             secure_noise,
             replicas,
-            checked_loader_options(loader_options),
+            options,
         ),
     )
     ledger = PrivacyLedger(

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dpfy.data.sampling import DpBatchSampler, sampling_rate_for
+from dpfy.data.sampling import DpBatchSampler, epoch_length, make_sampler, sampling_rate_for
 from dpfy.data.sharding import ShardedPoissonSampler
 from dpfy.plan.sampling import SamplingKind
 
@@ -146,9 +146,12 @@ class SingleProcess:
         steps: int,
         generator: torch.Generator | None,
         secure: bool = False,
-    ) -> SamplingKind | DpBatchSampler:
-        """The loader builds its own sampler of this kind."""
-        return kind
+    ) -> DpBatchSampler:
+        """The run's ``steps`` drawn by a sampler of this kind, one epoch (N / B steps) per pass."""
+        return make_sampler(
+            kind, dataset_size, batch_size, epoch_length(dataset_size, batch_size), generator,
+            secure=secure, total=steps,
+        )  # fmt: skip
 
     def gather(self, state: T) -> T:
         """A one-process checkpoint holds this process's state as is."""
@@ -215,8 +218,11 @@ class ProcessGroupReplicas:
         steps: int,
         generator: torch.Generator | None,
         secure: bool = False,
-    ) -> SamplingKind | DpBatchSampler:
-        """This rank's shard, Poisson-sampled at the global q = B/N; other samplers refused."""
+    ) -> DpBatchSampler:
+        """This rank's shard, Poisson-sampled at the global q = B/N; other samplers refused.
+
+        Every rank cuts the run's ``steps`` into the same epochs of N / B steps.
+        """
         if kind is not SamplingKind.POISSON:
             raise ValueError(
                 f"distributed training supports Poisson sampling only, got {kind.value!r}: "
@@ -225,8 +231,9 @@ class ProcessGroupReplicas:
             )
         rate = sampling_rate_for(dataset_size, batch_size)
         return ShardedPoissonSampler(
-            dataset_size, rate, steps, self.rank, self.world_size, generator, secure=secure
-        )
+            dataset_size, rate, epoch_length(dataset_size, batch_size), self.rank, self.world_size,
+            generator, secure=secure, total=steps,
+        )  # fmt: skip
 
     def run(self, what: str, collective: Callable[[], T]) -> T:
         """Run a collective, turning a communication failure into one clear :class:`PeerFailure`."""

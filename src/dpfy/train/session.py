@@ -20,6 +20,7 @@ from torch import nn
 
 from dpfy.data.loader import DPDataLoader
 from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.train import report_seam
 from dpfy.train.checkpoints import seal, unseal
 from dpfy.train.distributed import (
     ProcessGroupReplicas,
@@ -73,6 +74,18 @@ class PrivateTraining:
     def epsilon(self, delta: float | None = None) -> float:
         """ε spent so far at ``delta`` (the run's δ by default), training and tuning included."""
         return self.ledger.epsilon(delta)
+
+    def report(self, out_dir: str | os.PathLike[str], **details: Any) -> dict[str, Path]:
+        """Write this run's privacy report card into ``out_dir``: report.md, report.json,
+        facts.json and the plots (guide §5.3.3), from what the ledger recorded so far.
+
+        ``details`` say what only the caller knows: ``dataset`` and ``model`` names,
+        ``dataset_source``, ``preprocessing``, ``accuracy`` and ``baseline_accuracy`` measured on
+        held-out data, the training ``history`` (rows with ``step``, ``loss``, …), ``overwrite``
+        (a directory that already holds a report is refused without it) and ``plots``.
+        Returns the written paths by name. In a distributed run call it on one rank.
+        """
+        return report_seam.write(self, out_dir, **details)
 
     @property
     def run_id(self) -> str:

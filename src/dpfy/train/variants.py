@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from dpfy._validate import check_count
 from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.ordered_sampling import OrderedSampler
-from dpfy.data.sampling import check_batch_size
+from dpfy.data.sampling import DpBatchSampler, check_batch_size
 from dpfy.data.user_sampling import UserDataLoader, check_user_ids, user_sampling_rate
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.resolvers import resolver_key
@@ -78,9 +78,8 @@ def _users(dataset: Dataset, user_ids: torch.Tensor | None, batch_size: int) -> 
 
 def _sampled_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
     """DP-SGD's loader: Poisson, shuffled or fixed-size batches (each rank's shard if several)."""
-    kind = SamplingKind.parse(plan.sampler)
     sampler = inputs.replicas.sampler(
-        kind,
+        SamplingKind.parse(plan.sampler),
         plan.dataset_size,
         plan.expected_batch_size,
         plan.steps,
@@ -90,12 +89,13 @@ def _sampled_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
     return _example_loader(plan, inputs, sampler)
 
 
-def _example_loader(plan: PrivacyPlan, inputs: LoaderInputs, sampler: Any) -> DPDataLoader:
-    """The private loader over examples, drawing its batches from ``sampler``."""
+def _example_loader(
+    plan: PrivacyPlan, inputs: LoaderInputs, sampler: DpBatchSampler
+) -> DPDataLoader:
+    """The private loader over examples, drawing the plan's steps from ``sampler``, by epochs."""
     return DPDataLoader(
         inputs.dataset,
         plan.expected_batch_size,
-        steps=plan.steps,
         sampler=sampler,
         generator=inputs.generator,
         secure=inputs.secure,
@@ -124,10 +124,10 @@ def _ordered_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
     order = OrderedSampler(
         plan.dataset_size,
         plan.expected_batch_size,
-        plan.steps,
-        inputs.generator,
+        generator=inputs.generator,
         shuffle=SamplingKind.parse(plan.sampler) is SamplingKind.TREE_SHUFFLE,
         secure=inputs.secure,
+        total=plan.steps,
     )
     return _example_loader(plan, inputs, order)
 

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import Subset, TensorDataset
 
 from dpfy._validate import check_count, check_positive, check_range
+from dpfy.data.loader import rest_of_run
 from dpfy.jobs.train import OPTIMIZERS, accuracy, fresh_model
 from dpfy.plan.accounting.events import DpEvent
 from dpfy.report.facts import record_clip_norms
@@ -141,7 +142,7 @@ def run_trial(config: TrialConfig, data: TuningData, delta: float) -> TrialResul
         private.optimizer.noise = _ZeroNoise()
     criterion = nn.CrossEntropyLoss()
     with record_clip_norms(private) as norms:
-        for x, y in private.loader:
+        for x, y in rest_of_run(private.loader):
             private.optimizer.zero_grad()
             criterion(private.model(x), y).backward()
             private.optimizer.step()
