@@ -108,7 +108,13 @@ raise rather than silently miss it.
 
 from dpfy.train.grads.engine import ClipResult, GradEngine, LossReduction, NoiseStart
 from dpfy.train.grads.make import EngineChoice, fast_blocker, make_engine
-from dpfy.train.grads.registry import LayerRule, find_rule, register_rule, registered_layers
+from dpfy.train.grads.registry import (
+    LayerRule,
+    find_rule,
+    register_rule,
+    registered_layers,
+    registered_names,
+)
 
 __all__ = [
     "ClipResult",
@@ -122,4 +128,5 @@ __all__ = [
     "make_engine",
     "register_rule",
     "registered_layers",
+    "registered_names",
 ]

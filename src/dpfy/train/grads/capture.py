@@ -1,7 +1,9 @@
 """Hooks that record, for each layer call, its inputs and the gradients of its outputs.
 
 The captured tensors live in :class:`Call` objects held by the engine's :class:`Taps`, never on
-``Parameter`` objects. A :class:`Call` is what a layer rule (or the vmap engine) reads.
+``Parameter`` objects. A :class:`Call` is what a layer rule (or the vmap engine) reads. A layer
+called on an input of batch size 1 in a larger batch (BERT's and GPT-2's position ids) has its
+output expanded to the batch (:mod:`dpfy.train.grads.broadcast`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from dpfy.train.grads.broadcast import mark, shares_batch
+from dpfy.train.grads.precision import autocast_dtype
 
 __all__ = ["Call", "Tap", "Taps", "output_tensors", "release"]
 
@@ -50,6 +55,9 @@ class Call:
     skipped: bool = False
     #: The number of the loader batch in hand when the call ran (None: none, or not followed).
     stamp: int | None = None
+    #: The dtype autocast cast to on the output's device when the call ran (None: autocast off),
+    #: so that the vmap engine replays the layer in the same precision.
+    autocast: torch.dtype | None = None
 
     @property
     def batch_size(self) -> int:
@@ -108,9 +116,15 @@ class Taps:
         taps: list[Tap],
         on_ready: Callable[[Tap, Call], None] | None = None,
         on_start: Callable[[], None] | None = None,
+        *,
+        batch_first: bool = True,
     ) -> None:
         self.taps = taps
         self.active = True
+        # Batch-first models only: a call of batch size 1 among larger ones is then a broadcast.
+        self.broadcast = batch_first
+        self._batch: int | None = None  # batch size of this forward's calls (other than 1)
+        self._root_batch: int | None = None  # batch size of the model's own first input
         self.on_ready = on_ready  # called in backward once a one-output call has its gradient
         self.on_start = on_start  # called at the first watched forward call after a clear()
         self.stamp: Callable[[], int | None] | None = None  # which loader batch is in hand
@@ -124,7 +138,7 @@ class Taps:
         forward does, before any code of its own runs ahead of the first watched layer.
         """
         if root is not None:
-            self._handles.append(root.register_forward_pre_hook(lambda *_: self._begin()))
+            self._handles.append(root.register_forward_pre_hook(self._root, with_kwargs=True))
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(partial(self._pre, tap)))
             self._handles.append(
@@ -149,6 +163,38 @@ class Taps:
         for tap in self.taps:
             release(tap)
         self._fresh = True
+        self._batch = self._root_batch = None
+
+    def _root(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model's forward begins: a step starts, and its first input tells the batch size."""
+        self._begin()
+        self._batch = self._root_batch = None
+        if self.broadcast and self.active:
+            first = next((x for x in (*args, *kwargs.values()) if isinstance(x, Tensor)), None)
+            if first is not None and first.dim() >= 1:
+                self._root_batch = first.shape[0]
+
+    def _batch_of(self, args: tuple[Any, ...], outputs: list[Tensor]) -> int | None:
+        """The batch size to expand a call of batch size 1 to (None: it is no broadcast).
+
+        A call whose first input has batch size 1 while this forward's other calls (or, before
+        any, the model's first input) have B > 1 shares that input across the batch, provided
+        each of its outputs needing a gradient has batch size 1 too.
+        """
+        first = args[0] if args else None
+        if not isinstance(first, Tensor) or first.dim() == 0:
+            return None
+        size = first.shape[0]
+        if size != 1:
+            if self._batch is None:
+                self._batch = size
+            return None
+        batch = self._batch if self._batch is not None else self._root_batch
+        if batch is None or batch <= 1:
+            return None
+        if any(out.dim() == 0 or out.shape[0] != 1 for out in outputs):
+            return None
+        return batch
 
     def _pre(self, tap: Tap, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Stop autograd computing this layer's ordinary parameter gradient (wasted work).
@@ -207,6 +253,12 @@ class Taps:
             if not index:
                 return None
             outputs = [every[j] for j in index]
+        batch = self._batch_of(args, outputs) if self.broadcast else None
+        if batch is not None:  # an input every example shares: give the output the batch
+            output = _expand_outputs(output, batch, tap.name)
+            outputs = [t for t in output_tensors(output) if t.requires_grad]
+            args = tuple(shares_batch(x, batch) for x in args)
+            reroot = True  # the output was replaced
         if len(args) == 1:
             x = args[0]
             versions: tuple[int | None, ...] = (x._version if isinstance(x, Tensor) else None,)
@@ -221,6 +273,7 @@ class Taps:
             trainable=tap.trainable,
             skipped=skipped,
             stamp=None if self.stamp is None else self.stamp(),
+            autocast=autocast_dtype(outputs[0].device.type),
         )
         tap.calls.append(call)
         for j, out in enumerate(outputs):
@@ -264,14 +317,26 @@ class _Reroot(torch.autograd.Function):
 _ANCHOR = torch.empty(0, requires_grad=True)  # the input that makes _Reroot outputs need grad
 
 
-def _reroot(output: Any) -> Any:
-    """Floating output tensors re-rooted by ``_Reroot`` (same values and storage)."""
+def _map_tensors(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """A module output with ``fn`` applied to each tensor in it (tuples and lists rebuilt)."""
     if isinstance(output, Tensor):
-        return _Reroot.apply(_ANCHOR, output) if output.is_floating_point() else output
+        return fn(output)
     if isinstance(output, (tuple, list)):
-        items = [_reroot(item) for item in output]
+        items = [_map_tensors(item, fn) for item in output]
         return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
     return output
+
+
+def _reroot(output: Any) -> Any:
+    """Floating output tensors re-rooted by ``_Reroot`` (same values and storage)."""
+    return _map_tensors(output, lambda t: _Reroot.apply(_ANCHOR, t) if t.is_floating_point() else t)
+
+
+def _expand_outputs(output: Any, batch: int, layer: str) -> Any:
+    """Output tensors needing a gradient, expanded to ``batch`` and marked as broadcasts."""
+    return _map_tensors(
+        output, lambda t: mark(shares_batch(t, batch), layer) if t.requires_grad else t
+    )
 
 
 def release(tap: Tap) -> None:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from dpfy._validate import check_count, check_positive
 from dpfy.train.grads.capture import Call, Tap, Taps
 from dpfy.train.grads.layout import Units
+from dpfy.train.grads.precision import autocast_off, compute_dtype
 from dpfy.train.grads.registry import find_rule
 from dpfy.train.grads.substitutions import Substitution, restore
 
@@ -89,7 +90,9 @@ class GradEngine:
             for local in sorted(tap.trainable):
                 param = getattr(tap.module, local)
                 self.params[param_names[id(param)]] = param
-        self._acc: dict[str, Tensor] = {}
+        self._acc: dict[str, Tensor] = {}  # running sums, in float32 at least (see precision)
+        self._sum_dtypes = {name: compute_dtype(p.dtype) for name, p in self.params.items()}
+        self._devices = tuple({p.device.type for p in self.params.values()})
         self._summing = False  # a logical batch's sum is open (begun, or added to)
         self._noised: set[str] = set()  # NoiseStart names already given their noise this call
         self.num_examples = 0  # examples accumulated since the last reset
@@ -104,7 +107,9 @@ class GradEngine:
             tensors for module in self._modules for tensors in (module._parameters, module._buffers)
         ]
         self._weight_only = _power_iteration_buffers(model)
-        self._taps = Taps(taps, on_ready=self._on_ready, on_start=self._note_grads)
+        self._taps = Taps(
+            taps, on_ready=self._on_ready, on_start=self._note_grads, batch_first=batch_first
+        )
         for tap in taps:
             if tap.module in WATCHED:
                 raise ValueError(
@@ -166,8 +171,9 @@ class GradEngine:
         self._taps.active = False  # engines may call watched layers themselves
         try:
             # The norms and sums are data, not part of any graph: under autograd every layer's
-            # captured tensors would stay alive in their history until the step ended.
-            with torch.no_grad():
+            # captured tensors would stay alive in their history until the step ended. They are
+            # computed in float32 at least, whatever autocast the caller is in.
+            with torch.no_grad(), autocast_off(*self._devices):
                 self._noised = set()
                 result = self._clip_batch(clip, loss_reduction, group, groups, noise, scale)
                 if noise is not None:
@@ -216,11 +222,19 @@ class GradEngine:
         return self._summing
 
     def summed_grads(self) -> dict[str, Tensor]:
-        """The accumulated clipped sum for every trainable parameter (zeros where none came)."""
-        return {
-            name: self._acc[name] if name in self._acc else torch.zeros_like(param)
-            for name, param in self.params.items()
-        }
+        """The accumulated clipped sum for every trainable parameter (zeros where none came).
+
+        In the parameter's dtype: a half-precision parameter's sum, kept in float32, is cast
+        once it is complete (noise included, when the sum was opened from it).
+        """
+        out = {}
+        for name, param in self.params.items():
+            total = self._acc.get(name)
+            if total is None:
+                out[name] = torch.zeros_like(param)
+            else:
+                out[name] = total if total.dtype == param.dtype else total.to(param.dtype)
+        return out
 
     def write_grads(self) -> None:
         """Put the accumulated clipped sum into each trainable ``p.grad`` (zeros where none)."""
@@ -273,7 +287,11 @@ class GradEngine:
         if noise is None or name not in noise.names or name in self._noised:
             return None
         self._noised.add(name)
-        total = torch.empty_like(self.params[name], memory_format=torch.contiguous_format)
+        total = torch.empty_like(
+            self.params[name],
+            dtype=self._sum_dtypes[name],
+            memory_format=torch.contiguous_format,
+        )
         noise.fill(name, total)
         self._acc[name] = total
         self._summing = True
@@ -434,16 +452,19 @@ class GradEngine:
         values = {s for _, s in sizes}
         if len(values) > 1:
             raise ValueError(
-                f"watched layers saw different batch sizes {sorted(sizes)}; "
-                "is batch_first set right for this model?"
+                f"watched layers saw different batch sizes {sorted(sizes)}; is batch_first set "
+                "right for this model? (A layer called on an input of batch size 1 that every "
+                "example shares is handled in batch-first models when the model's first input "
+                "or an earlier layer shows the batch size; otherwise pass that input with its "
+                "batch dim, e.g. position_ids.expand(batch_size, -1))"
             )
         return values.pop() if values else 0
 
     def _add(self, name: str, value: Tensor) -> None:
         """Add one parameter's clipped sum into the accumulator (in place once it exists)."""
-        param = self.params[name]
-        if value.shape != param.shape or value.dtype != param.dtype:  # (two calls fewer if not)
-            value = value.reshape(param.shape).to(param.dtype)
+        param, dtype = self.params[name], self._sum_dtypes[name]
+        if value.shape != param.shape or value.dtype != dtype:  # (two calls fewer if not)
+            value = value.reshape(param.shape).to(dtype)
         if name in self._acc:
             self._acc[name].add_(value)
         else:  # the first sum becomes the accumulator: rules return freshly computed tensors

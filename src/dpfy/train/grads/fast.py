@@ -8,7 +8,10 @@ its parameters' ``requires_grad`` is switched off so autograd does not compute t
 (unclipped) parameter gradient that would be thrown away; the graph to the layer's input is kept.
 Layers whose per-example gradients are small (convolutions on the direct route, normalisation
 layers) are reduced to them during backward, so their activations and output gradients are
-released early.
+released early. A parameter shared by several layers (tied embeddings) gets the norm of its
+summed gradient: the layers' own norms plus twice the inner products of their gradients
+(:mod:`dpfy.train.grads.shared`); each layer then adds its part of the clipped sum into the same
+running sum.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from torch import Tensor
 from dpfy.train.grads.capture import Call, Tap, release
 from dpfy.train.grads.engine import GradEngine, NoiseStart
 from dpfy.train.grads.layout import Units, prepare_call
+from dpfy.train.grads.precision import autocast_off
 from dpfy.train.grads.registry import LayerRule, find_rule
 from dpfy.train.grads.rows import Rows
+from dpfy.train.grads.shared import cross_inner_products
 
 __all__ = ["FastEngine"]
 
@@ -38,6 +43,16 @@ class FastEngine(GradEngine):
         super().__init__(*args, **kwargs)
         self._pending: list[_Pending] = []
         self._layer_names = {tap.name: self._names_of(tap) for tap in self._taps.taps}
+        self._shared = self._shared_uses()
+        self._sharing = {tap_name for uses in self._shared.values() for tap_name, _ in uses}
+
+    def _shared_uses(self) -> dict[str, list[tuple[str, str]]]:
+        """Parameters watched in more than one layer: name → [(layer name, local name)]."""
+        uses: dict[str, list[tuple[str, str]]] = {}
+        for tap_name, names in self._layer_names.items():
+            for local, name in names.items():
+                uses.setdefault(name, []).append((tap_name, local))
+        return {name: found for name, found in uses.items() if len(found) > 1}
 
     def _rule(self, tap: Tap) -> type[LayerRule]:
         """The tap's rule (``make_engine`` checked that there is one)."""
@@ -60,10 +75,13 @@ class FastEngine(GradEngine):
             return  # the rule keeps the captures (no reduction to prepare the call for)
         if call.stale_input() or len(tap.calls) > 1:
             return  # clip_and_accumulate reports these
-        prepared = prepare_call(call, self.batch_dim(tap, call))
-        if prepared.batch_size == 0:
-            return  # an empty batch: nothing to reduce, and the step adds nothing but noise
-        grads = rule.per_example_grads(tap.module, prepared)
+        if tap.name in self._sharing:
+            return  # a shared parameter's inner products read the captures
+        with autocast_off(*self._devices):  # backward may run inside the caller's autocast
+            prepared = prepare_call(call, self.batch_dim(tap, call))
+            if prepared.batch_size == 0:
+                return  # an empty batch: nothing to reduce, and the step adds nothing but noise
+            grads = rule.per_example_grads(tap.module, prepared)
         if grads is None:
             return
         size = prepared.batch_size
@@ -88,6 +106,29 @@ class FastEngine(GradEngine):
                 sq = rule.sq_norms(tap.module, prepared)
                 total = sq if total is None else total + sq
         assert total is not None
+        if self._shared:
+            total = total + self._cross_terms()
+        return total
+
+    def _cross_terms(self) -> Tensor | float:
+        """Σ over shared parameters of 2⟨G_k, G_l⟩ for every pair of layers k < l using it.
+
+        With each layer's own squared norms this makes ‖Σ_k G_k‖², the norm of the parameter's
+        per-unit gradient summed over the layers that share it.
+        """
+        calls = {
+            tap.name: (tap, rule, call) for tap, rule, call, rows in self._pending if rows is None
+        }
+        total: Tensor | float = 0.0
+        for uses in self._shared.values():
+            factors = [
+                calls[tap_name][1].factors(calls[tap_name][0].module, calls[tap_name][2], local)
+                for tap_name, local in uses
+                if tap_name in calls
+            ]
+            for k, first in enumerate(factors):
+                for second in factors[k + 1 :]:
+                    total = total + 2 * cross_inner_products(first, second)
         return total
 
     def _accumulate(self, weights: Tensor, noise: NoiseStart | None) -> None:

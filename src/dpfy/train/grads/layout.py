@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from dpfy.train.grads.capture import Call
+from dpfy.train.grads.precision import compute_dtype
 
 __all__ = [
     "BATCH_SLICES",
@@ -127,11 +128,14 @@ class Units:
 def prepare_call(call: Call, batch_dim: int, units: Units | None = None) -> Call:
     """Move the batch dim first, zero-fill unused outputs, lay examples out by unit (padded).
 
-    A new call, or ``call`` itself when it is in that layout already.
+    Floating tensors are brought to one dtype of at least float32 (under autocast an input
+    may be float32 and its output gradient bf16; see :mod:`dpfy.train.grads.precision`). A new
+    call, or ``call`` itself when it is in that layout already.
     """
     group = 1 if units is None else units.width
     per_example = units is None or (group == 1 and units.slots is None)
-    if not batch_dim and per_example and call.group == 1 and _all_set(call.grads):
+    cast = _cast_to(call)
+    if not batch_dim and per_example and call.group == 1 and cast is None and _all_set(call.grads):
         return call  # already in the layout (batch first, one example per unit): the common case
     n = call.inputs[0].shape[batch_dim] if isinstance(call.inputs[0], Tensor) else None
     moved: dict[int, tuple[Tensor, Tensor]] = {}  # id → (tensor, moved): identical stay identical
@@ -140,6 +144,8 @@ def prepare_call(call: Call, batch_dim: int, units: Units | None = None) -> Call
     def move(x: Tensor) -> Tensor:
         if id(x) not in moved:  # the entry keeps x alive, so its id cannot be reused meanwhile
             y = x.movedim(batch_dim, 0) if batch_dim else x
+            if cast is not None and y.is_floating_point():
+                y = y.to(cast)
             if spread:
                 y = units.place(y)
             moved[id(x)] = (x, y)
@@ -151,6 +157,14 @@ def prepare_call(call: Call, batch_dim: int, units: Units | None = None) -> Call
         for g, (shape, dtype, device) in zip(call.grads, call.out_meta, strict=True)
     ]
     return dataclasses.replace(call, inputs=inputs, grads=grads, group=group)
+
+
+def _cast_to(call: Call) -> torch.dtype | None:
+    """The dtype the call's floating tensors must be cast to (None: they are all in it)."""
+    dtypes = [x.dtype for x in call.inputs if isinstance(x, Tensor) and x.is_floating_point()]
+    dtypes += [meta[1] for meta in call.out_meta]
+    target = compute_dtype(*dtypes)
+    return None if all(dtype == target for dtype in dtypes) else target
 
 
 def _all_set(grads: list[Tensor | None]) -> bool:

@@ -11,7 +11,7 @@ from dpfy.train.grads import rules as _rules  # noqa: F401 - registers the layer
 from dpfy.train.grads.capture import Tap
 from dpfy.train.grads.engine import WATCHED, GradEngine
 from dpfy.train.grads.fast import FastEngine
-from dpfy.train.grads.registry import find_rule
+from dpfy.train.grads.registry import LayerRule, find_rule
 from dpfy.train.grads.substitutions import restore, substitute, substitution_blocker
 from dpfy.train.grads.vmap import VmapEngine
 
@@ -39,46 +39,83 @@ def _attention_blocker(model: nn.Module) -> str | None:
 
 
 def fast_blocker(model: nn.Module) -> str | None:
-    """The first reason the fast engine cannot run ``model`` (None: it can)."""
-    owner: dict[int, str] = {}
+    """The first reason the fast engine cannot run ``model`` (None: it can).
+
+    Each trainable parameter is watched at its innermost owners (see :func:`_owners`), and
+    each of those needs a rule. A parameter held by several layers (tied embeddings) needs a
+    rule that factors its gradient in every one of them, so that the norm is taken of the sum;
+    a layer registered twice (so called twice) is left to the vmap engine.
+    """
+    owners = _owners(model, innermost=True)
+    uses: dict[int, list[tuple[str, nn.Module, str, type[LayerRule] | None]]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
-        own = _trainable(module)
+        rule = None
         if type(module) is nn.MultiheadAttention:
             reason = substitution_blocker(module)
             if reason is not None:
                 return f"layer '{name}': {reason}"
-        elif own:
-            rule = find_rule(module)
-            if rule is None:
-                return f"layer '{name}' ({type(module).__name__}) has no fast rule"
-            reason = rule.unsupported_reason(module)
-            if reason is not None:
-                return f"layer '{name}' ({type(module).__name__}): {reason}"
+            own = _trainable(module)
+        else:
+            own = [(n, p) for n, p in _trainable(module) if id(module) in owners[id(p)]]
+            if own:
+                rule = find_rule(module)
+                if rule is None:
+                    return f"layer '{name}' ({type(module).__name__}) has no fast rule"
+                reason = rule.unsupported_reason(module)
+                if reason is not None:
+                    return f"layer '{name}' ({type(module).__name__}): {reason}"
         for local, param in own:
             where = f"{name}.{local}" if name else local
-            first = owner.setdefault(id(param), where)
-            if first != where:
-                return f"parameter '{first}' is also used as '{where}' (shared or repeated layer)"
+            uses.setdefault(id(param), []).append((where, module, local, rule))
+    for found in uses.values():
+        if len(found) > 1:
+            reason = _sharing_blocker(found)
+            if reason is not None:
+                return reason
     return None
 
 
-def _outermost_owners(model: nn.Module) -> dict[int, set[int]]:
-    """For each trainable parameter, the modules owning it that no other owner contains.
+def _sharing_blocker(uses: list[tuple[str, nn.Module, str, type[LayerRule] | None]]) -> str | None:
+    """Why the fast engine cannot sum one parameter's gradients over the layers sharing it."""
+    first = uses[0][0]
+    seen: set[int] = set()
+    for where, module, _, _ in uses:
+        if id(module) in seen:
+            return f"parameter '{first}' is also used as '{where}' (a layer used twice)"
+        seen.add(id(module))
+    for where, module, local, rule in uses:
+        if rule is None or local not in rule.factored:
+            return (
+                f"parameter '{first}' is shared by several layers, and the fast rule of "
+                f"'{where}' ({type(module).__name__}) cannot add its gradient to theirs"
+            )
+    return None
+
+
+def _owners(model: nn.Module, *, innermost: bool) -> dict[int, set[int]]:
+    """For each trainable parameter, the modules owning it that are watched for it.
 
     A parameter owned by a layer and by one of its sublayers too (Hugging Face's
-    ``BertLMPredictionHead.bias`` is ``decoder.bias``) is watched at the outer layer only: its
-    calls cover every use of the parameter inside, and watching both would count it twice.
-    Owners that are not nested (tied weights in two layers) each keep it.
+    ``BertLMPredictionHead.bias`` is ``decoder.bias``) is watched once per chain of nesting:
+    at the outer layer for the vmap engine (its calls cover every use of the parameter inside),
+    at the inner one for the fast engine (the layer with a rule; a use by the outer layer
+    outside that call then shows up as an ordinary gradient, which the engine refuses).
+    Watching both would count it twice. Owners that are not nested (tied weights in two
+    layers) each keep it.
     """
     paths: dict[int, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
         for _, param in _trainable(module):
             paths.setdefault(id(param), []).append((name, module))
+
+    def nested(path: str, other: str) -> bool:
+        return _contains(path, other) if innermost else _contains(other, path)
+
     return {
         key: {
             id(module)
             for path, module in owners
-            if not any(_contains(other, path) for other, _ in owners if other != path)
+            if not any(nested(path, other) for other, _ in owners if other != path)
         }
         for key, owners in paths.items()
     }
@@ -135,9 +172,9 @@ def make_engine(
     substitutions = substitute(model)
     try:
         taps = []
-        outer = _outermost_owners(model)
+        owners = _owners(model, innermost=kind == "fast")
         for name, module in model.named_modules():
-            own = [(n, p) for n, p in _trainable(module) if id(module) in outer[id(p)]]
+            own = [(n, p) for n, p in _trainable(module) if id(module) in owners[id(p)]]
             if not own:
                 continue
             rule = find_rule(module) if kind == "fast" else None

@@ -9,11 +9,19 @@ A rule is a small class of pure static functions with one shared signature:
   ``add_clipped_sum`` may instead add it into the engine's running sum in place.
 
 Rules are registered with :func:`register_rule` and looked up with :func:`find_rule`; the engines
-never dispatch on layer types with if/elif.
+never dispatch on layer types with if/elif. A layer class of an optional package is registered by
+its qualified name (``"transformers.pytorch_utils.Conv1D"``), so that dpfy never imports the
+package: the name is resolved to the class when a model holding one is first looked at, and only
+the very class its module defines under that name gets the rule (an impostor does not).
+
+A rule may also give each parameter's per-unit gradient as factors (:meth:`LayerRule.factors`);
+a parameter shared by several layers (tied embeddings) then runs on the fast engine, its norm
+taken of the summed gradient (see :mod:`dpfy.train.grads.shared`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -23,7 +31,7 @@ if TYPE_CHECKING:
     from dpfy.train.grads.capture import Call
     from dpfy.train.grads.rows import Rows
 
-__all__ = ["LayerRule", "find_rule", "register_rule", "registered_layers"]
+__all__ = ["LayerRule", "find_rule", "register_rule", "registered_layers", "registered_names"]
 
 
 class LayerRule:
@@ -37,6 +45,10 @@ class LayerRule:
     #: Channels-first layers (convolutions, GroupNorm) see the batch in dim 0 even in a
     #: sequence-first model; see :func:`dpfy.train.grads.engine.GradEngine` on ``batch_first``.
     channels_first: ClassVar[bool] = False
+
+    #: The parameters (by local name) whose per-unit gradients :meth:`factors` can give: only
+    #: these may be shared with other layers on the fast engine.
+    factored: ClassVar[frozenset[str]] = frozenset()
 
     @staticmethod
     def unsupported_reason(layer: nn.Module) -> str | None:
@@ -65,6 +77,18 @@ class LayerRule:
         """Weighted sum of per-unit gradients, by parameter name, never materialising them."""
         raise NotImplementedError
 
+    @staticmethod
+    def factors(layer: nn.Module, call: Call, name: str) -> tuple[Tensor, Tensor]:
+        """Parameter ``name``'s per-unit gradient as ``Σ_t L_t R_tᵀ`` (one term per position).
+
+        Returns ``(L, R)``: ``L`` (U, T, rows) floats, or (U, T) integer row indices standing for
+        one-hot rows (an embedding's look-up), and ``R`` (U, T, cols), such that each unit's
+        gradient, reshaped to (rows, cols), is ``Σ_t L_t R_tᵀ``. Needed only for the
+        parameters in :attr:`factored`; inner products of two layers' gradients then need only
+        T×T products (see :mod:`dpfy.train.grads.shared`).
+        """
+        raise NotImplementedError
+
     @classmethod
     def add_clipped_sum(
         cls, layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
@@ -82,6 +106,9 @@ class LayerRule:
 
 _RULES: dict[type[nn.Module], type[LayerRule]] = {}
 
+#: Rules registered by qualified class name ("package.module.Class"), for optional packages.
+_NAMED: dict[str, type[LayerRule]] = {}
+
 #: What :func:`find_rule` answered for a layer class, beside what the answer was read from: the
 #: class's MRO and ``forward``, and the registered class in that MRO (None: none) with its
 #: ``forward`` then. The answer is a function of ``_RULES`` and of those alone, so a hit whose
@@ -92,16 +119,38 @@ _FOUND: dict[type, tuple[tuple[type, ...], Any, type | None, Any, type[LayerRule
 R = TypeVar("R", bound=type[LayerRule])
 
 
-def register_rule(*layer_types: type[nn.Module]) -> Callable[[R], R]:
-    """Class decorator: make ``rule`` the fast-engine rule for each of ``layer_types``."""
+def register_rule(*layer_types: type[nn.Module] | str) -> Callable[[R], R]:
+    """Class decorator: make ``rule`` the fast-engine rule for each of ``layer_types``.
+
+    A layer type may be a qualified class name (``"transformers.pytorch_utils.Conv1D"``): the
+    package is not imported, and the rule applies to the class its module defines by that name.
+    """
 
     def decorate(rule: R) -> R:
         for layer_type in layer_types:
-            _RULES[layer_type] = rule
+            if isinstance(layer_type, str):
+                _NAMED[layer_type] = rule
+            else:
+                _RULES[layer_type] = rule
         _FOUND.clear()
         return rule
 
     return decorate
+
+
+def _named_rule(cls: type) -> type[LayerRule] | None:
+    """The rule registered under ``cls``'s qualified name, if ``cls`` is the class so named.
+
+    The class must be what its (already imported) module holds under that name, so a class that
+    merely copies the name gets nothing.
+    """
+    if not _NAMED:
+        return None
+    rule = _NAMED.get(f"{cls.__module__}.{cls.__qualname__}")
+    if rule is None:
+        return None
+    module = sys.modules.get(cls.__module__)
+    return rule if getattr(module, cls.__qualname__, None) is cls else None
 
 
 def find_rule(layer: nn.Module) -> type[LayerRule] | None:
@@ -122,7 +171,7 @@ def find_rule(layer: nn.Module) -> type[LayerRule] | None:
         return hit[4]
     owner, rule = None, None
     for base in cls.__mro__:
-        found = _RULES.get(base)
+        found = _RULES.get(base) or _named_rule(base)
         if found is not None:
             owner, rule = base, (found if cls.forward is base.forward else None)
             break
@@ -131,5 +180,10 @@ def find_rule(layer: nn.Module) -> type[LayerRule] | None:
 
 
 def registered_layers() -> tuple[type[nn.Module], ...]:
-    """All layer classes that have a rule (for documentation and error messages)."""
+    """All layer classes registered as classes (for documentation and error messages)."""
     return tuple(_RULES)
+
+
+def registered_names() -> tuple[str, ...]:
+    """The qualified class names rules were registered under (layers of optional packages)."""
+    return tuple(_NAMED)

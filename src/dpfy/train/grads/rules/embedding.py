@@ -32,6 +32,13 @@ def _indices_and_grads(layer: nn.Embedding, call: Call) -> tuple[Tensor, Tensor]
 class EmbeddingRule(LayerRule):
     """Weight gradient rows Σ_{t: idx_t = v} g_t per unit."""
 
+    factored = frozenset({"weight"})
+
+    @staticmethod
+    def factors(layer: nn.Module, call: Call, name: str) -> tuple[Tensor, Tensor]:
+        """L = the one-hot row of each position's index (given as the index), R = g."""
+        return _indices_and_grads(layer, call)
+
     @staticmethod
     def unsupported_reason(layer: nn.Module) -> str | None:
         """``scale_grad_by_freq`` scales by batch-wide counts, coupling the examples."""

@@ -30,6 +30,16 @@ def _units(x: Tensor, group: int) -> Tensor:
 class LinearRule(LayerRule):
     """Weight gradient Σ_t g_t a_tᵀ, bias gradient Σ_t g_t, per unit."""
 
+    factored = frozenset({"weight", "bias"})
+
+    @staticmethod
+    def factors(layer: nn.Module, call: Call, name: str) -> tuple[Tensor, Tensor]:
+        """Weight: L = g, R = a; bias: L = g, R = 1 (so that Σ_t L_t R_tᵀ is the gradient)."""
+        g = _units(call.grads[0], call.group)
+        if name == "bias":
+            return g, g.new_ones(*g.shape[:2], 1)
+        return g, _units(call.inputs[0], call.group)
+
     @staticmethod
     def sq_norms(layer: nn.Module, call: Call) -> Tensor:
         """Direct, rank-one or ghost norm of the weight gradient plus the bias norm."""
