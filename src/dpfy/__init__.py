@@ -1,8 +1,8 @@
 """dpfy: train machine-learning models with differential privacy, the whole recipe.
 
-The top-level names load lazily, so ``import dpfy.plan.accounting`` (pure numpy/scipy) never pulls
-in
-torch.
+The top-level names load lazily, so ``import dpfy.plan.accounting`` (pure numpy/scipy) never
+pulls in torch. The API reference (``docs/api.md``) documents these names and each public
+package's ``__all__``.
 """
 
 from __future__ import annotations

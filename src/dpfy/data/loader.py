@@ -36,7 +36,7 @@ class PlanComplete(RuntimeError):
 class DPDataLoader(DataLoader):
     """Batches drawn by a DP sampler; q = B/N from the dataset size and expected batch size.
 
-    One pass over the loader is one epoch of ``N // B`` steps, as with any torch DataLoader, so
+    One pass over the loader is one epoch of N / B steps, as with any torch DataLoader, so
     the usual ``for epoch in range(E): for batch in loader`` loop works. ``steps`` (or
     ``epochs``, ``steps = ⌈E · N / B⌉``) bounds the run: the last pass may be shorter, and a pass
     beyond the bound raises :class:`PlanComplete` rather than drawing steps nobody planned.

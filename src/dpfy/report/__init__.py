@@ -1,1 +1,28 @@
-"""Report what a run did: typed facts, the report card's sections, pitfalls and plots."""
+"""Report what a run did: typed facts, the report card's sections, pitfalls and plots.
+
+The names below load on first use (PEP 562): ``dpfy report`` re-renders saved facts without
+building anything it does not need.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RunFacts": "dpfy.report.facts",
+    "collect_facts": "dpfy.report.facts",
+    "render": "dpfy.report.render",
+    "render_run": "dpfy.report.render",
+    "write_report": "dpfy.report.render",
+    "write_session_report": "dpfy.report.session_report",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dpfy.report' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
