@@ -25,13 +25,14 @@ def _report_epsilon(summary: dict) -> dict:
     return report["epsilon"]
 
 
-def _check_outcome(summary: dict, method: str) -> None:
+def _check_outcome(summary: dict, method: str, *, tuning_pays: bool = True) -> None:
     tuning, final, default = summary["tuning"], summary["final"], summary["untuned_default"]
     assert tuning["accounting"]["method"] == method
     assert tuning["chosen"] is not None
     chosen_c = tuning["chosen"]["max_grad_norm"]
     assert chosen_c in summary["config"]["clip_grid"] and final["max_grad_norm"] == chosen_c
-    assert final["test_accuracy"] >= default["test_accuracy"]
+    if tuning_pays:  # the default trains on the whole budget: tuning must earn its share
+        assert final["test_accuracy"] >= default["test_accuracy"]
     eps = final["epsilon"]
     budget = summary["config"]["target_epsilon"]  # the whole budget, tuning included
     assert 0.99 * budget <= eps["total"] <= budget
@@ -76,10 +77,13 @@ def test_clip_search_on_digits_compose_quick(tmp_path: Path) -> None:
 )
 def test_clip_search_on_digits_full(tmp_path: Path, method: str, extra: dict) -> None:
     # The library's defaults (Adam, lr 0.01, 20 epochs). Adam is invariant to the scale of the
-    # update, so every C below all per-example norms trains identically: "at least" holds, often
-    # as equality.
+    # update, so every C below all per-example norms trains alike and the search finds nothing;
+    # the untuned default, trained on the whole budget, has less noise than the tuned run and
+    # may score higher: what the tuning cost is visible, not hidden above the target.
     summary = _run(tmp_path, accounting=method, clip_grid=(0.1, 0.3, 1.0, 3.0, 10.0), **extra)
-    _check_outcome(summary, method)
+    _check_outcome(summary, method, tuning_pays=False)
+    default = summary["untuned_default"]
+    assert default["noise_multiplier"] < summary["final"]["noise_multiplier"]
     if method == "random-trials":
         assert summary["tuning"]["trials_drawn"] == summary["tuning"]["trials_run"]
         assert summary["final"]["accountant"] == "rdp"
