@@ -151,7 +151,7 @@ def test_an_empty_out_is_refused_instead_of_writing_into_the_working_directory(
 def test_a_run_refused_before_writing_leaves_no_directory_behind(tmp_path):
     out = tmp_path / "run"
     code, _, stderr = dpfy(*QUICK, "--dataset", "no-such-data", "--out", str(out))
-    assert_one_line_error(code, stderr, "unknown dataset")
+    assert_one_line_error(code, stderr, "--dataset", "no-such-data", "is not one of")
     assert not out.exists()  # so the same --out works once the typo is fixed
     assert dpfy(*QUICK, "--out", str(out))[0] == 0
 

@@ -22,7 +22,8 @@ from dpfy.data import (
 from dpfy.data import adult as adult_format
 from dpfy.data import datasets as datasets_module
 from dpfy.data.idx import read_idx, write_idx
-from dpfy.data.preprocessing import Preprocessing
+from dpfy.data.preprocessing import Preprocessing, PublicRangeScaler
+from dpfy.data.public_ranges import BREAST_CANCER_RANGES
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -113,26 +114,43 @@ def test_summary_is_json_ready():
 # --------------------------------------------------------------------------- breast cancer
 
 
-def test_breast_cancer_standardisation_is_recorded_as_fitted_on_private_data():
+def test_breast_cancer_is_scaled_by_published_ranges_and_nothing_is_fitted():
     data = load_dataset("breast-cancer")
     assert_well_formed(data, 2, (30,))
     assert (len(data.train), len(data.test)) == (455, 114)
-    x = data.train.tensors[0].double()
-    torch.testing.assert_close(x.mean(0), torch.zeros(30, dtype=torch.double), atol=1e-5, rtol=0)
-    torch.testing.assert_close(x.std(0, correction=0), torch.ones(30, dtype=torch.double),
-                               atol=1e-5, rtol=0)  # fmt: skip
-    assert data.preprocessing.fitted_on_private_data is True
-    assert data.preprocessing.is_pitfall is True
+    x = data.train.tensors[0]
+    assert float(x.min()) >= -1.0 and float(x.max()) <= 1.0
+    assert data.preprocessing.fitted_on_private_data is False
+    assert data.preprocessing.is_pitfall is False
+    assert "public bounds" in data.preprocessing.steps[0]
     assert data.class_names == ("malignant", "benign")
 
 
-def test_breast_cancer_test_split_uses_the_training_statistics():
+def test_breast_cancer_scaling_depends_on_no_row_of_the_training_split():
     raw = load_dataset("breast-cancer", standardize=False)
-    scaled = load_dataset("breast-cancer")
-    train = raw.train.tensors[0].double()
-    mean, std = train.mean(0), train.std(0, correction=0)
-    expected = (raw.test.tensors[0].double() - mean) / std
-    torch.testing.assert_close(scaled.test.tensors[0].double(), expected, atol=1e-4, rtol=1e-4)
+    scaled = load_dataset("breast-cancer", limit=50)  # other training rows, same map
+    scaler = PublicRangeScaler.from_ranges(BREAST_CANCER_RANGES)
+    expected = scaler(raw.test.tensors[0].double().numpy()[:50])
+    torch.testing.assert_close(scaled.test.tensors[0].double(), torch.from_numpy(expected),
+                               atol=1e-6, rtol=0)  # fmt: skip
+
+
+def test_breast_cancer_ranges_are_the_published_min_and_max():
+    from sklearn.datasets import load_breast_cancer
+
+    rows = load_breast_cancer().data
+    low, high = np.array(BREAST_CANCER_RANGES).T
+    # the published bounds are the rows' min and max, rounded to the digits the description prints
+    np.testing.assert_allclose(rows.min(0), low, rtol=0.01, atol=5e-4)
+    np.testing.assert_allclose(rows.max(0), high, rtol=0.01, atol=5e-4)
+
+
+def test_public_range_scaler_maps_the_bounds_to_minus_one_and_one_and_clips():
+    scaler = PublicRangeScaler.from_ranges(((0.0, 10.0), (1.0, 99.0)))
+    out = scaler(np.array([[0.0, 1.0], [10.0, 99.0], [-5.0, 1e6]]))
+    np.testing.assert_allclose(out, [[-1, -1], [1, 1], [-1, 1]], atol=1e-12)
+    with pytest.raises(ValueError, match="low < high"):
+        PublicRangeScaler.from_ranges(((3.0, 3.0),))
 
 
 def test_skipping_or_declaring_public_changes_the_flags_truthfully():
@@ -140,7 +158,6 @@ def test_skipping_or_declaring_public_changes_the_flags_truthfully():
     assert raw.preprocessing.fitted_on_private_data is False and not raw.preprocessing.is_pitfall
     assert float(raw.train.tensors[0].max()) > 100  # raw areas, untouched
     declared = load_dataset("breast-cancer", declare_public=True)
-    assert declared.preprocessing.fitted_on_private_data is True
     assert declared.preprocessing.declared_public is True
     assert declared.preprocessing.is_pitfall is False
 
@@ -391,10 +408,10 @@ def test_adult_vocabulary_does_not_depend_on_the_rows(tmp_path):
 def test_adult_scales_only_numeric_columns_and_records_it(tmp_path):
     data = load_dataset("adult", data_dir=write_uci(tmp_path / "adult"))
     x = data.train.tensors[0].double()
-    torch.testing.assert_close(x[:, :6].mean(0), torch.zeros(6, dtype=torch.double), atol=1e-5,
-                               rtol=0)  # fmt: skip
+    assert float(x[:, :6].min()) >= -1.0 and float(x[:, :6].max()) <= 1.0
     assert set(x[:, 6:].unique().tolist()) == {0.0, 1.0}
-    assert data.preprocessing.fitted_on_private_data and data.preprocessing.is_pitfall
+    assert not data.preprocessing.fitted_on_private_data and not data.preprocessing.is_pitfall
+    assert "census coding" in data.preprocessing.steps[-1]
     raw = load_dataset("adult", data_dir=tmp_path / "adult", standardize=False)
     assert raw.train.tensors[0][0, :6].tolist() == [39, 77516, 13, 2174, 0, 40]
     assert not raw.preprocessing.fitted_on_private_data

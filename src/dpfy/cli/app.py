@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,14 +26,28 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from dpfy import __version__
+from dpfy.cli.train_output import PITFALL_EXIT
 from dpfy.federated.config import FederatedConfig
-from dpfy.jobs.config import MAX_EPOCHS, OPTIMIZER_NAMES, UNIT_NAMES, TrainConfig
+from dpfy.jobs.config import (
+    ALGORITHM_NAMES,
+    CONFIG_FILE,
+    DATASET_NAMES,
+    ENGINE_NAMES,
+    MAX_EPOCHS,
+    MODEL_NAMES,
+    OPTIMIZER_NAMES,
+    UNIT_NAMES,
+    TrainConfig,
+    read_config,
+)
 from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.plan.accounting.events import MAX_STEPS
 from dpfy.train.cpu_allocator import keep_freed_memory
 
 USAGE_ERROR = 2
+#: The exit code of a run stopped by Ctrl-C (128 + SIGINT); dpfy.jobs.outcome uses the same.
+INTERRUPTED_EXIT = 130
 
 
 def _usage_error(err: click.UsageError, ctx: click.Context | None) -> click.exceptions.Exit:
@@ -247,11 +263,22 @@ def plan(
         _emit(result, "DP-SGD plan (add-or-remove adjacency, Poisson sampling)", as_json)
 
 
-OptimizerChoice = Enum("OptimizerChoice", {name: name for name in OPTIMIZER_NAMES}, type=str)
-UnitChoice = Enum("UnitChoice", {name: name for name in UNIT_NAMES}, type=str)
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum of a registry's names, so the parser lists them and refuses a typo by name."""
+    return Enum(name, {value.replace("-", "_"): value for value in values}, type=str)
+
+
+OptimizerChoice = _choices("OptimizerChoice", OPTIMIZER_NAMES)
+UnitChoice = _choices("UnitChoice", UNIT_NAMES)
+DatasetChoice = _choices("DatasetChoice", DATASET_NAMES)
+ModelChoice = _choices("ModelChoice", MODEL_NAMES)
+EngineChoice = _choices("EngineChoice", ENGINE_NAMES)
+AlgorithmChoice = _choices("AlgorithmChoice", ALGORITHM_NAMES)
 _TRAIN = TrainConfig()
 _OPTIMIZER = OptimizerChoice(_TRAIN.optimizer)
-_UNIT = UnitChoice(_TRAIN.unit)
+_DATASET, _MODEL = DatasetChoice(_TRAIN.dataset), ModelChoice(_TRAIN.model)
+_ENGINE, _UNIT = EngineChoice(_TRAIN.engine), UnitChoice(_TRAIN.unit)
+_ALGORITHM = AlgorithmChoice(_TRAIN.algorithm)
 
 
 class ReportFormat(str, Enum):
@@ -268,14 +295,90 @@ _SEED_HELP = (
 )
 _EPOCHS_BOUND = f"at most {MAX_EPOCHS}"
 _OUT_HELP = "Run directory: new or empty, never shared (default: a fresh runs/…)."
+_TRAIN_HELP = "\n\n".join(
+    (
+        "Train on a bundled dataset (DP-SGD or DP-FTRL) and write the privacy report card.",
+        "Prints a short summary (run directory, report path, accuracy, ε and δ, one line per "
+        "WARN or ERROR pitfall); --quiet prints only the run directory, --json one JSON object. "
+        "The whole report card is in RUN_DIR/report.md.",
+        "--config RUN_DIR/config.json replays a run's settings (options given here override "
+        "them; --out defaults to a fresh directory). Ctrl-C stops at a step boundary, leaving a "
+        "checkpoint and a report of what was spent; --resume RUN_DIR continues it (other options "
+        "must match the saved ones).",
+        f"Exit codes: 0 done; 2 bad input; {PITFALL_EXIT} the run finished and wrote everything, "
+        "but its report flags an ERROR pitfall (the stated guarantee is not established as "
+        f"reported, e.g. δ ≥ 1/N, or a seed chose the noise); {INTERRUPTED_EXIT} interrupted "
+        "(resumable).",
+    )
+)
+#: train's parameters that are not settings of the run (and so never clash with a saved one).
+_NOT_SETTINGS = ("resume", "config_file", "quiet", "as_json")
+#: CLI parameter names that differ from their TrainConfig field.
+_FIELD_OF = {"max_user_examples": "max_examples_per_user"}
 
 
-@app.command()
+def _given(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
+    """The settings typed on the command line (not defaults), by TrainConfig field name."""
+    given = {}
+    for name, value in values.items():
+        if name in _NOT_SETTINGS:
+            continue
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+            given[_FIELD_OF.get(name, name)] = value.value if isinstance(value, Enum) else value
+    if "out" in given:
+        given["out"] = _out_dir(given["out"])
+    return given
+
+
+def _resumed_config(run_dir: Path, given: dict[str, Any]) -> TrainConfig:
+    """The saved settings of ``run_dir``; an option given besides --resume must match them."""
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ValueError(
+            f"--resume {run_dir} holds no {CONFIG_FILE}: it is not a `dpfy train` run "
+            "directory; pass the directory an interrupted `dpfy train` wrote"
+        )
+    saved = read_config(run_dir / CONFIG_FILE)
+    if "out" in given and Path(os.path.abspath(given["out"])) != Path(os.path.abspath(run_dir)):
+        raise ValueError(f"--out with --resume: the run continues in {run_dir}; drop --out")
+    clashes = [
+        f"--{name.replace('_', '-')} {value} (saved: {getattr(saved, name)})"
+        for name, value in given.items()
+        if name != "out" and getattr(saved, name) != value
+    ]
+    if clashes:
+        raise ValueError(
+            f"--resume continues the run with its saved settings ({run_dir / CONFIG_FILE}), but "
+            f"{', '.join(clashes)} differ; drop those options, or start a new run with "
+            f"--config {run_dir / CONFIG_FILE} and them"
+        )
+    return saved
+
+
+def _train_config(
+    ctx: click.Context, values: dict[str, Any], resume: Path | None, config_file: Path | None
+) -> TrainConfig:
+    """The run's settings: typed options over defaults, over a replayed config, or a resume's."""
+    given = _given(ctx, values)
+    if resume is not None and config_file is not None:
+        raise ValueError(
+            "pass --resume RUN_DIR (continue a run) or --config FILE (start one), not both"
+        )
+    if resume is not None:
+        config = _resumed_config(resume, given)
+    elif config_file is not None:
+        config = replace(read_config(config_file), out=None, **given)
+    else:
+        config = replace(_TRAIN, **given)
+    if config.delta is not None and not (0 < config.delta < 1):
+        raise ValueError(f"delta must lie in (0, 1), got {config.delta!r}")
+    return config
+
+
+@app.command(help=_TRAIN_HELP)
 def train(
-    dataset: Annotated[str, typer.Option(help="digits, breast-cancer, fashion-mnist, …")] = (
-        _TRAIN.dataset
-    ),
-    model: Annotated[str, typer.Option(help="logreg, mlp or cnn (GroupNorm CNN).")] = _TRAIN.model,
+    ctx: typer.Context,
+    dataset: Annotated[DatasetChoice, typer.Option(help="Bundled dataset.")] = _DATASET,
+    model: Annotated[ModelChoice, typer.Option(help="Model (cnn: GroupNorm CNN).")] = _MODEL,
     target_epsilon: Annotated[float, typer.Option(help="The ε to spend.")] = _TRAIN.target_epsilon,
     delta: Annotated[
         float | None, typer.Option(help="δ; default: a power of ten at least 10× below 1/N.")
@@ -291,7 +394,7 @@ def train(
     seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _TRAIN.seed,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also train non-privately.")] = False,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
-    engine: Annotated[str, typer.Option(help="Gradient engine: auto, fast, vmap.")] = _TRAIN.engine,
+    engine: Annotated[EngineChoice, typer.Option(help="Per-example gradient engine.")] = _ENGINE,
     unit: Annotated[
         UnitChoice,
         typer.Option(
@@ -304,38 +407,40 @@ def train(
         int | None, typer.Option(help="Cap on a sampled user's examples per step (--unit user).")
     ] = _TRAIN.max_examples_per_user,
     algorithm: Annotated[
-        str, typer.Option(help="dp-sgd, or dp-ftrl (no sampling assumption).")
-    ] = _TRAIN.algorithm,
+        AlgorithmChoice, typer.Option(help="dp-sgd, or dp-ftrl (no sampling assumption).")
+    ] = _ALGORITHM,
+    resume: Annotated[
+        Path | None,
+        typer.Option(metavar="RUN_DIR", help="Continue this interrupted run from its checkpoint."),
+    ] = None,
+    config_file: Annotated[
+        Path | None,
+        typer.Option("--config", metavar="FILE", help="Replay a run's config.json."),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="Print only the run directory.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
-    """Train with DP-SGD on a bundled real dataset and write the privacy report card."""
-    from dpfy.jobs.train import TrainConfig, run_training
+    from dpfy.cli.train_output import Output, print_interrupted, print_result
+    from dpfy.jobs.outcome import Interrupted
+    from dpfy.jobs.train import run_training
 
+    values = {k: v for k, v in locals().items() if k in ctx.params}
+    output = Output.json if as_json else Output.quiet if quiet else Output.summary
     with _user_errors():
-        if delta is not None and not (0 < delta < 1):
-            raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
-        config = TrainConfig(
-            dataset=dataset, model=model, target_epsilon=target_epsilon, delta=delta,
-            epochs=epochs, batch_size=batch_size, max_grad_norm=max_grad_norm, lr=lr,
-            optimizer=optimizer.value, out=_out_dir(out), seed=seed, baseline=baseline,
-            data_dir=data_dir, engine=engine, unit=unit.value, users=users,
-            max_examples_per_user=max_user_examples, algorithm=algorithm,
-        )  # fmt: skip
-        console = Console()
-        result = run_training(config, console)
-        if result.rank != 0:  # under torchrun, rank 0 prints the run
-            return
-        table = Table(title=f"Run {result.run_dir}", show_header=False, title_justify="left")
-        table.add_column(style="bold")
-        table.add_column()
-        table.add_row("test accuracy (DP)", f"{result.test_accuracy:.4f}")
-        if result.baseline_accuracy is not None:
-            table.add_row("test accuracy (non-private)", f"{result.baseline_accuracy:.4f}")
-        table.add_row(
-            "ε spent", f"{result.epsilon:.4f} at δ = {result.delta:g} ({config.unit}-level)"
-        )
-        table.add_row("time", f"{result.seconds:.1f} s")
-        console.print(table)
-        console.print((result.run_dir / "report.md").read_text(), markup=False)
+        if quiet and as_json:
+            raise ValueError("pass --quiet or --json, not both")
+        config = _train_config(ctx, values, resume, config_file)
+        console = Console(soft_wrap=True, quiet=output is not Output.summary)
+        try:
+            result = run_training(config, console, resume=resume)
+        except Interrupted as stop:
+            print_interrupted(stop, output)
+            raise typer.Exit(INTERRUPTED_EXIT) from None
+    if result.rank != 0:  # under torchrun, rank 0 prints the run
+        return
+    code = print_result(result, config.unit, output)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -373,12 +478,29 @@ def tune(
     distribution: Annotated[
         str, typer.Option(help="random-trials: poisson, geometric, logarithmic, ….")
     ] = "poisson",
-    clip_grid: Annotated[str, typer.Option(help="ClipSearch grid of C, comma-separated.")] = (
-        "0.1,0.3,1,3,10"
-    ),
+    clip_grid: Annotated[
+        str, typer.Option(help="Grid of C, comma-separated (clip; lr-clip's C axis).")
+    ] = "0.1,0.3,1,3,10",
     lr_grid: Annotated[str, typer.Option(help="lr-clip: learning rates.")] = "0.001,0.01,0.1",
     tolerance: Annotated[float, typer.Option(help="ClipSearch relative tolerance, (0, 1).")] = 0.02,
-    target_epsilon: Annotated[float, typer.Option(help="ε of the final training run.")] = 3.0,
+    target_epsilon: Annotated[
+        float, typer.Option(help="Total ε budget: tuning and the final run composed, at most it.")
+    ] = 3.0,
+    tuning_share: Annotated[
+        float | None,
+        typer.Option(
+            help="Fraction of the budget the trials may spend, in (0, 1); default: trials at "
+            "the final run's σ."
+        ),
+    ] = None,
+    delta: Annotated[
+        float | None, typer.Option(help="δ; default: a power of ten at least 10× below 1/N.")
+    ] = None,
+    model: Annotated[str, typer.Option(help="logreg, mlp or cnn (GroupNorm CNN).")] = "mlp",
+    batch_size: Annotated[
+        int, typer.Option(help="Expected batch size B (trials, final run).")
+    ] = 128,
+    max_grad_norm: Annotated[float, typer.Option(help="Clip norm C of the untuned default.")] = 1.0,
     epochs: Annotated[float, typer.Option(help=f"Epochs of the final run ({_EPOCHS_BOUND}).")] = 20,
     trial_epochs: Annotated[
         float, typer.Option(help=f"Epochs of each tuning trial ({_EPOCHS_BOUND}).")
@@ -398,9 +520,10 @@ def tune(
         tune_command(
             dataset=dataset, search=search, trials=trials, accounting=tuning_accounting,
             public_data=public_data, distribution=distribution, clip_grid=clip_grid,
-            lr_grid=lr_grid, tolerance=tolerance, target_epsilon=target_epsilon, epochs=epochs,
-            trial_epochs=trial_epochs, optimizer=optimizer.value, lr=lr, out=_out_dir(out),
-            seed=seed, data_dir=data_dir,
+            lr_grid=lr_grid, tolerance=tolerance, target_epsilon=target_epsilon,
+            tuning_share=tuning_share, delta=delta, model=model, batch_size=batch_size,
+            max_grad_norm=max_grad_norm, epochs=epochs, trial_epochs=trial_epochs,
+            optimizer=optimizer.value, lr=lr, out=_out_dir(out), seed=seed, data_dir=data_dir,
         )  # fmt: skip
 
 

@@ -14,12 +14,13 @@ from dpfy.data.loaded_dataset import (
     LoadedDataset,
     LoadOptions,
     _head,
+    _scale_tabular,
     _split,
     _split_note,
-    _standardise_tabular,
     _tensors,
 )
 from dpfy.data.preprocessing import Preprocessing
+from dpfy.data.public_ranges import ADULT_RANGES
 
 # --------------------------------------------------------------------------- UCI Adult
 
@@ -65,7 +66,7 @@ def _adult_rows(table: _adult.AdultTable, limit: int | None) -> tuple[np.ndarray
 
 
 def _load_adult(options: LoadOptions) -> LoadedDataset:
-    """Adult with public one-hot vocabulary; numeric columns standardised unless told otherwise."""
+    """Adult with public one-hot vocabulary; numeric columns scaled between public bounds."""
     train_file, test_file = _adult_files(options.data_dir)
     train = _read_adult(train_file)
     if test_file is None:
@@ -79,7 +80,9 @@ def _load_adult(options: LoadOptions) -> LoadedDataset:
         split = "the dataset's own split: adult.data for training, adult.test for test"
         source = f"{train_file}, {test_file}"
     numeric = slice(0, len(_adult.NUMERIC))
-    x_train, x_test, scaling, fitted = _standardise_tabular(x_train, x_test, numeric, options)
+    x_train, x_test, scaling, fitted = _scale_tabular(
+        x_train, x_test, numeric, options, ADULT_RANGES, "the census coding adult.names documents"
+    )
     steps = (
         "one-hot categoricals over the public UCI attribute values (vocabulary not learned "
         "from the data; unknown or missing '?' values encode as all zeros)",

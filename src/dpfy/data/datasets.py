@@ -21,10 +21,11 @@ random_state=0)``), identical on every run; the IDX datasets and ``adult.data``/
 keep their own split. ``limit`` keeps the first ``limit`` examples of each split (fast tests).
 
 Scaling: images use fixed public constants only (digits: pixel/16; MNIST-style: pixel/255, then
-the published mean/std), so nothing is fitted on the private data. Tabular data is standardised
-with mean/std fitted on the training split — that *is* fitting on private data and the record
-says so; pass ``standardize=False`` to skip it, or ``declare_public=True`` to state that the
-statistics are public (the report card then does not flag them).
+the published mean/std), so nothing is fitted on the private data. Tabular numeric features are
+log-scaled into [-1, 1] between fixed public per-feature bounds (:mod:`dpfy.data.public_ranges`:
+the ranges breast-cancer's description publishes, the census coding of Adult), so nothing is
+fitted there either; ``standardize=False`` leaves them unscaled. ``declare_public=True`` records
+that any statistics fitted are public (the report card then does not flag them).
 
 Where each part lives: LoadedDataset, LoadOptions and the shared split/scaling steps in
 :mod:`dpfy.data.loaded_dataset`; the loaders in sklearn_datasets, idx_datasets and

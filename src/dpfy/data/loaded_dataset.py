@@ -11,13 +11,16 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from dpfy.data.preprocessing import Preprocessing, fit_standardizer
+from dpfy.data.preprocessing import Preprocessing, PublicRangeScaler
 
 __all__ = ["SPLIT_SEED", "TEST_FRACTION", "DatasetNotFound", "LoadOptions", "LoadedDataset"]
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
-_FITTED_STEP = "standardise each numeric feature with mean/std fitted on the training split"
+_RANGE_STEP = (
+    "numeric features log-scaled into [-1, 1] between fixed public bounds per feature ({source}; "
+    "nothing computed from the data)"
+)
 
 
 class DatasetNotFound(ValueError):
@@ -100,14 +103,23 @@ _STRATIFIED = (
 )
 
 
-def _standardise_tabular(
-    x_train: np.ndarray, x_test: np.ndarray, columns: slice, options: LoadOptions
+def _scale_tabular(
+    x_train: np.ndarray,
+    x_test: np.ndarray,
+    columns: slice,
+    options: LoadOptions,
+    ranges: tuple[tuple[float, float], ...],
+    source: str,
 ) -> tuple[np.ndarray, np.ndarray, list[str], bool]:
-    """Z-score ``columns`` with statistics fitted on the training split, if asked to."""
+    """Scale ``columns`` between the published ``ranges``, if asked to; nothing is fitted.
+
+    Returns both splits, the step's description and ``False``: no statistic of the private
+    training split is computed, so the report has no fitted preprocessing to flag.
+    """
     if not options.standardize:
         return x_train, x_test, ["numeric features left unscaled (standardize=False)"], False
-    scaler = fit_standardizer(x_train[:, columns])
+    scaler = PublicRangeScaler.from_ranges(ranges)
     x_train, x_test = x_train.astype(np.float64), x_test.astype(np.float64)
     x_train[:, columns] = scaler(x_train[:, columns])
     x_test[:, columns] = scaler(x_test[:, columns])
-    return x_train, x_test, [f"{_FITTED_STEP} (private data)"], True
+    return x_train, x_test, [_RANGE_STEP.format(source=source)], False

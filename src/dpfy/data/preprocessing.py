@@ -2,7 +2,8 @@
 
 A statistic fitted on the private training split (a mean, a standard deviation, a vocabulary) is
 itself a release about that data that DP-SGD does not cover (guide §5.5.1, tab. 5). dpfy's loaders
-prefer fixed public constants; where they do fit, the :class:`Preprocessing` record says so, and
+use fixed public constants only (:class:`PublicRangeScaler` for tabular data); where a caller
+fits, the :class:`Preprocessing` record says so, and
 the report card flags it unless the user declared the statistics public.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Preprocessing", "Standardizer", "fit_standardizer"]
+__all__ = ["Preprocessing", "PublicRangeScaler", "Standardizer", "fit_standardizer"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,48 @@ def fit_standardizer(features: np.ndarray) -> Standardizer:
     std = features.std(axis=0)
     std = np.where(std > 0, std, 1.0)
     return Standardizer(mean=mean, std=std)
+
+
+@dataclass(frozen=True)
+class PublicRangeScaler:
+    """Scale each feature into [-1, 1] on a log scale between public bounds; nothing is fitted.
+
+    Tabular measurements (areas, counts, money) are non-negative and right-skewed, so each value
+    ``x``, clipped to its feature's published range ``[low, high]`` (clipping to a fixed bound
+    depends on no other row), maps to ``log(x + s)`` with ``s = (high - low) / 10``, rescaled so
+    that ``low`` goes to -1 and ``high`` to +1. The offset ``s`` keeps zeros finite and the
+    scale gentle near the bottom of the range. All constants are the bounds: no statistic of the
+    data being scaled enters, so this is no release about it.
+    """
+
+    low: np.ndarray
+    high: np.ndarray
+
+    def __post_init__(self) -> None:
+        low, high = np.asarray(self.low, dtype=np.float64), np.asarray(self.high, dtype=np.float64)
+        if low.shape != high.shape or low.ndim != 1:
+            raise ValueError("low and high must be 1-d arrays of one bound per feature")
+        if not (np.all(np.isfinite(low)) and np.all(np.isfinite(high))):
+            raise ValueError("the bounds must be finite numbers")
+        if np.any(low < 0) or np.any(high <= low):
+            raise ValueError("each range must satisfy 0 <= low < high (a log scale needs x >= 0)")
+        object.__setattr__(self, "low", low)
+        object.__setattr__(self, "high", high)
+
+    @classmethod
+    def from_ranges(cls, ranges: tuple[tuple[float, float], ...]) -> PublicRangeScaler:
+        """From one ``(low, high)`` pair per feature."""
+        bounds = np.asarray(ranges, dtype=np.float64).reshape(-1, 2)
+        return cls(bounds[:, 0], bounds[:, 1])
+
+    def __call__(self, features: np.ndarray) -> np.ndarray:
+        """Scale ``features`` (rows of one value per feature) into [-1, 1]."""
+        x = np.asarray(features, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != self.low.size:
+            raise ValueError(
+                f"expected rows of {self.low.size} features, got an array of shape {x.shape}"
+            )
+        shift = (self.high - self.low) / 10.0
+        bottom, top = np.log(self.low + shift), np.log(self.high + shift)
+        scaled = np.log(np.clip(x, self.low, self.high) + shift)
+        return 2.0 * (scaled - bottom) / (top - bottom) - 1.0

@@ -7,12 +7,13 @@ from dpfy.data.loaded_dataset import (
     _STRATIFIED,
     LoadedDataset,
     LoadOptions,
+    _scale_tabular,
     _split,
     _split_note,
-    _standardise_tabular,
     _tensors,
 )
 from dpfy.data.preprocessing import Preprocessing
+from dpfy.data.public_ranges import BREAST_CANCER_RANGES
 
 # --------------------------------------------------------------------------- scikit-learn
 
@@ -49,12 +50,15 @@ def _load_digits(options: LoadOptions) -> LoadedDataset:
 
 
 def _load_breast_cancer(options: LoadOptions) -> LoadedDataset:
-    """Tabular features, standardised on the training split unless told otherwise."""
+    """Tabular features log-scaled between the published per-feature ranges; nothing fitted."""
     from sklearn.datasets import load_breast_cancer
 
     bunch = load_breast_cancer()
     x_train, x_test, y_train, y_test = _split(bunch.data, bunch.target, options.limit)
-    x_train, x_test, steps, fitted = _standardise_tabular(x_train, x_test, slice(None), options)
+    x_train, x_test, steps, fitted = _scale_tabular(
+        x_train, x_test, slice(None), options, BREAST_CANCER_RANGES,
+        "the min and max scikit-learn's dataset description publishes",
+    )  # fmt: skip
     shape = (int(bunch.data.shape[1]),)
     return LoadedDataset(
         name="breast-cancer",

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dpfy._validate import check_positive_at_most
+from dpfy._validate import (
+    check_count,
+    check_learning_rate,
+    check_positive,
+    check_positive_at_most,
+    check_seed,
+)
+
+#: Datasets, models and gradient engines ``dpfy train`` offers, spelt out here so the CLI lists
+#: them without importing torch; a test holds each equal to its registry (datasets, models,
+#: ``make_engine``'s choices).
+DATASET_NAMES = ("adult", "breast-cancer", "digits", "fashion-mnist", "mnist")
+MODEL_NAMES = ("cnn", "logreg", "mlp")
+ENGINE_NAMES = ("auto", "fast", "vmap")
 
 #: Optimizers the trainer offers (each post-processes the private gradient, guide §5.5.2).
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad")
@@ -63,6 +79,37 @@ class TrainConfig:
         return 10.0 ** -(math.ceil(math.log10(dataset_size)) + 1)
 
 
+def check_config(config: TrainConfig) -> None:
+    """Refuse bad settings before any data is loaded."""
+    check_positive("target_epsilon", config.target_epsilon)
+    check_epochs("epochs", config.epochs)
+    check_count("batch_size", config.batch_size, minimum=1)
+    check_positive("max_grad_norm", config.max_grad_norm)
+    check_learning_rate("lr", config.lr)
+    check_seed(config.seed)
+    if config.optimizer not in OPTIMIZER_NAMES:
+        raise ValueError(
+            f"optimizer must be one of {', '.join(OPTIMIZER_NAMES)}; got {config.optimizer!r}"
+        )
+    if config.unit not in UNIT_NAMES:
+        raise ValueError(f"unit must be one of {', '.join(UNIT_NAMES)}; got {config.unit!r}")
+    if config.unit == "user":
+        check_count("users", config.users, minimum=1)
+        if config.batch_size > config.users:
+            raise ValueError(
+                f"batch_size {config.batch_size} exceeds --users {config.users}: at user level "
+                "batch_size is the expected number of users per step; lower it"
+            )
+    if config.max_examples_per_user is not None:
+        check_count("max_examples_per_user", config.max_examples_per_user, minimum=1)
+    if config.algorithm not in ALGORITHM_NAMES:
+        raise ValueError(
+            f"algorithm must be one of {', '.join(ALGORITHM_NAMES)}; got {config.algorithm!r}"
+        )
+    if config.algorithm == "dp-ftrl" and config.unit != "example":
+        raise ValueError("--algorithm dp-ftrl needs --unit example")
+
+
 def public_seed(seed: int | None) -> int:
     """The seed for what is public anyway — model init, simulated splits, candidate grids.
 
@@ -70,3 +117,86 @@ def public_seed(seed: int | None) -> int:
     private randomness) come from OS entropy.
     """
     return 0 if seed is None else seed
+
+
+#: The file a run directory keeps its settings in, and the key naming the command that wrote it.
+CONFIG_FILE = "config.json"
+_COMMAND_KEY = "command"
+_PATH_FIELDS = ("out", "data_dir")
+
+
+def config_document(config: TrainConfig) -> dict[str, Any]:
+    """The JSON object ``config.json`` holds: every setting by its TrainConfig name.
+
+    ``dpfy train --config`` reads it back, so it names the command that wrote it (a federated
+    run's settings are a different set) and keeps paths as strings.
+    """
+    settings = {k: (None if v is None else str(v)) if k in _PATH_FIELDS else v
+                for k, v in dataclasses.asdict(config).items()}  # fmt: skip
+    return {_COMMAND_KEY: "train", **settings}
+
+
+def write_config(config: TrainConfig, run_dir: Path) -> Path:
+    """Write the run's ``config.json`` (what ``--config`` replays and ``--resume`` continues)."""
+    target = run_dir / CONFIG_FILE
+    target.write_text(json.dumps(config_document(config), indent=2) + "\n", encoding="utf-8")
+    return target
+
+
+def read_config(path: Path) -> TrainConfig:
+    """The settings a ``config.json`` holds; one ValueError naming the file and the fix if not."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path} does not exist; pass the config.json of a `dpfy train` run"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{path} is not a readable JSON file ({err}); pass the config.json of a "
+            "`dpfy train` run"
+        ) from None
+    if not isinstance(document, dict) or document.get(_COMMAND_KEY, "train") != "train":
+        written_by = document.get(_COMMAND_KEY) if isinstance(document, dict) else None
+        raise ValueError(
+            f"{path} holds no `dpfy train` settings (written by {written_by or 'something else'}); "
+            "pass the config.json of a `dpfy train` run"
+        )
+    settings = {k: v for k, v in document.items() if k != _COMMAND_KEY}
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(
+            f"{path} holds settings `dpfy train` does not know ({', '.join(unknown)}); remove "
+            f"them (known: {', '.join(sorted(known))})"
+        )
+    for name, value in settings.items():
+        if not _fits(value, _FIELD_TYPES[name]):
+            raise ValueError(
+                f"{path}: {name} is {value!r}, not {_FIELD_TYPES[name]}; correct it in the file "
+                "(or write it again with `dpfy train`)"
+            )
+    for name in _PATH_FIELDS:
+        if settings.get(name) is not None:
+            settings[name] = Path(settings[name])
+    return TrainConfig(**settings)
+
+
+#: Each setting's type as written in TrainConfig ("float | None", …), for checking a read file.
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "float": (int, float), "int": (int,), "str": (str,), "bool": (bool,), "Path": (str,),
+}  # fmt: skip
+
+
+def _fits(value: Any, annotation: str) -> bool:
+    """Whether a JSON value can stand for a setting of this annotation (bool is no number)."""
+    for part in (name.strip() for name in annotation.split("|")):
+        if part == "None" and value is None:
+            return True
+        kinds = _JSON_TYPES.get(part, ())
+        if isinstance(value, bool) and bool not in kinds:
+            continue
+        if isinstance(value, kinds):
+            return True
+    return False

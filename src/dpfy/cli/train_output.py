@@ -1,0 +1,134 @@
+"""What ``dpfy train`` prints when a run ends: a short summary, only the run directory
+(``--quiet``), or one JSON object (``--json``), and the exit code its pitfalls call for.
+
+Everything here is plain text written line by line, never a rich table: a table is cut or wrapped
+to the terminal's width (80 columns when piped), which would break the paths a script reads.
+The whole report card is in ``report.md``; the summary names it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from dpfy.jobs.outcome import Interrupted
+    from dpfy.jobs.train import TrainResult
+    from dpfy.report.pitfalls import Finding
+
+#: ``dpfy train``'s exit code when the report card flags an ERROR pitfall: the run finished and
+#: everything is written, but the stated guarantee is not established as reported.
+PITFALL_EXIT = 3
+
+_SHOWN = {"error": "ERROR", "warning": "WARN"}  # INFO findings stay in the report
+
+
+class Output(str, Enum):
+    """How much ``dpfy train`` prints."""
+
+    summary = "summary"
+    quiet = "quiet"
+    json = "json"
+
+
+def _finite(value: float | None) -> float | None:
+    """JSON has no infinity or NaN: an unbounded ε is null."""
+    return value if value is None or math.isfinite(value) else None
+
+
+def _flagged(pitfalls: tuple[Finding, ...]) -> list[Finding]:
+    """The findings the summary lists: errors and warnings, errors first."""
+    return [p for p in pitfalls if p.severity.value in _SHOWN]
+
+
+def exit_code(result: TrainResult) -> int:
+    """:data:`PITFALL_EXIT` if the report flags an ERROR pitfall, else 0."""
+    return PITFALL_EXIT if any(p.severity.value == "error" for p in result.pitfalls) else 0
+
+
+def _summary_lines(result: TrainResult, unit: str) -> list[str]:
+    """The short human summary: where the run is, its accuracy, its (ε, δ), its pitfalls."""
+    lines = [
+        f"run directory: {result.run_dir}",
+        f"report: {result.run_dir / 'report.md'}",
+        f"test accuracy (DP): {result.test_accuracy:.4f}",
+    ]
+    if result.baseline_accuracy is not None:
+        lines.append(f"test accuracy (non-private): {result.baseline_accuracy:.4f}")
+    resumed = "" if result.resumed_at is None else f", resumed at step {result.resumed_at}"
+    lines.append(
+        f"ε spent: {result.epsilon:.4f} at δ = {result.delta:g} ({unit}-level, "
+        f"{result.algorithm}, {result.steps} steps{resumed})"
+    )
+    lines.append(f"time: {result.seconds:.1f} s")
+    lines += [f"{_SHOWN[p.severity.value]} {p.code}: {p.title}" for p in _flagged(result.pitfalls)]
+    return lines
+
+
+def _document(result: TrainResult, unit: str) -> dict[str, Any]:
+    """The ``--json`` object: the run's figures, its pitfalls and the paths of what it wrote."""
+    files = ("report.md", "report.json", "facts.json", "history.json", "config.json", "model.pt")
+    return {
+        "status": "finished",
+        "run_dir": str(result.run_dir),
+        "test_accuracy": result.test_accuracy,
+        "baseline_accuracy": result.baseline_accuracy,
+        "epsilon": _finite(result.epsilon),
+        "delta": result.delta,
+        "unit": unit,
+        "algorithm": result.algorithm,
+        "steps": result.steps,
+        "resumed_at": result.resumed_at,
+        "seconds": result.seconds,
+        "pitfalls": [
+            {"severity": p.severity.value, "code": p.code, "title": p.title}
+            for p in result.pitfalls
+        ],
+        "paths": {name: str(result.run_dir / name) for name in files},
+        "exit_code": exit_code(result),
+    }
+
+
+def print_result(result: TrainResult, unit: str, output: Output) -> int:
+    """Print the finished run as ``output`` asks; return the exit code (3 on an ERROR pitfall)."""
+    code = exit_code(result)
+    if output is Output.json:
+        typer.echo(json.dumps(_document(result, unit)))
+    elif output is Output.quiet:
+        typer.echo(str(result.run_dir))
+    else:
+        for line in _summary_lines(result, unit):
+            typer.echo(line)
+    if code:
+        errors = sum(p.severity.value == "error" for p in result.pitfalls)
+        typer.echo(
+            f"error: the report flags {errors} ERROR pitfall(s): the stated guarantee is not "
+            f"established as reported (see {result.run_dir / 'report.md'}); exit code {code}",
+            err=True,
+        )
+    return code
+
+
+def print_interrupted(stop: Interrupted, output: Output) -> None:
+    """Say what an interrupted run spent and how to continue it (stderr, or the JSON object)."""
+    if output is Output.json:
+        typer.echo(
+            json.dumps(
+                {
+                    "status": "interrupted",
+                    "run_dir": str(stop.run_dir),
+                    "steps_taken": stop.steps_taken,
+                    "planned_steps": stop.planned_steps,
+                    "epsilon": _finite(stop.epsilon),
+                    "delta": stop.delta,
+                    "report": str(stop.report),
+                    "resume": f"dpfy train --resume {stop.run_dir}",
+                }
+            )
+        )
+        return
+    typer.echo(f"{stop}; report of what was spent: {stop.report}", err=True)

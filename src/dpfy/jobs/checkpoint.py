@@ -1,0 +1,182 @@
+"""A training job's checkpoint and status: what ``dpfy train --resume RUN_DIR`` continues from.
+
+The run directory holds two files for this. ``checkpoint.pt`` is the private session's own sealed
+checkpoint (model, optimizer, ledger, sampler and noise state, :meth:`PrivateTraining.state_dict`)
+plus what the job itself carries over (its history, the gradient norms its report summarises and
+the seconds trained so far). It holds the noise and sampling random state, from which the rest of
+the run's noise could be replayed, so it is written owner-only and deleted once the run finishes.
+``status.json`` says whether the run is running (and in which process), interrupted or finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dpfy.report.clip_norms import NormLog
+from dpfy.train.session import PrivateTraining
+
+CHECKPOINT_FILE = "checkpoint.pt"
+STATUS_FILE = "status.json"
+_LOCK_FILE = ".dpfy-resume-lock"
+_FORMAT = "dpfy.train-job-checkpoint"
+
+RUNNING, INTERRUPTED, FINISHED = "running", "interrupted", "finished"
+
+
+@dataclass
+class JobState:
+    """What the job carries over a resume besides the private session itself."""
+
+    history: list[dict[str, float]] = field(default_factory=list)
+    norms: NormLog = field(default_factory=NormLog)
+    seconds: float = 0.0
+
+
+def save_checkpoint(private: PrivateTraining, run_dir: Path, job: JobState) -> Path:
+    """Write ``checkpoint.pt`` atomically (owner-only): a crash mid-write keeps the previous one.
+
+    Collective under torchrun (every rank calls it at the same step); rank 0 alone writes.
+    """
+    target = run_dir / CHECKPOINT_FILE
+    state = {
+        "format": _FORMAT,
+        "session": private.state_dict(),
+        "history": job.history,
+        "norms": torch.from_numpy(job.norms.norms.astype(np.float32)),
+        "seconds": float(job.seconds),
+    }
+    if private.replicas.is_writer:
+        handle, temporary = tempfile.mkstemp(dir=run_dir, prefix=f".{CHECKPOINT_FILE}.")
+        os.close(handle)  # mkstemp made it readable by its owner only; os.replace keeps that
+        try:
+            torch.save(state, temporary)
+            os.replace(temporary, target)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    private.replicas.barrier()
+    return target
+
+
+def load_checkpoint(private: PrivateTraining, run_dir: Path) -> JobState:
+    """Restore the session from ``checkpoint.pt`` (all or nothing) and return the job's state."""
+    path = run_dir / CHECKPOINT_FILE
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(no_checkpoint(run_dir)) from None
+    except Exception as err:
+        raise ValueError(
+            f"{path} is corrupt or not a dpfy checkpoint ({type(err).__name__}); it cannot be "
+            "resumed: start a new run"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise ValueError(f"{path} is not a `dpfy train` checkpoint; it cannot be resumed")
+    private.load_state_dict(state["session"])
+    norms = NormLog()
+    if len(state["norms"]):
+        norms.add(state["norms"])
+    return JobState(list(state["history"]), norms, float(state["seconds"]))
+
+
+def remove_checkpoint(run_dir: Path) -> None:
+    """Delete the checkpoint of a finished run: its random state must not outlive the run."""
+    with contextlib.suppress(FileNotFoundError):
+        (run_dir / CHECKPOINT_FILE).unlink()
+
+
+def no_checkpoint(run_dir: Path) -> str:
+    """The one message for a directory without a checkpoint to resume."""
+    return (
+        f"{run_dir} holds no checkpoint to resume ({CHECKPOINT_FILE} is missing): the run "
+        "finished, or stopped before its first checkpoint; pass the directory of an "
+        "interrupted `dpfy train` run, or start a new run"
+    )
+
+
+def write_status(run_dir: Path, status: str, steps_taken: int, planned_steps: int) -> None:
+    """Record the run's state, and which process holds it while it runs."""
+    document = {
+        "status": status,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "steps_taken": steps_taken,
+        "planned_steps": planned_steps,
+    }
+    if status == INTERRUPTED:
+        document["resume"] = f"dpfy train --resume {run_dir}"
+    temporary = run_dir / f".{STATUS_FILE}.tmp"
+    temporary.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, run_dir / STATUS_FILE)
+
+
+def read_status(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``status.json``, or None where there is none (or it is unreadable)."""
+    try:
+        document = json.loads((run_dir / STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _alive(status: dict[str, Any]) -> bool:
+    """Whether the process a running status names still runs (on another host: assumed so)."""
+    if status.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(status["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, KeyError, TypeError, ValueError, OverflowError):
+        return True
+    return True
+
+
+def claim_for_resume(run_dir: Path) -> None:
+    """Take over ``run_dir`` to resume it: refused while another process trains or resumes it.
+
+    The check and the new running status (naming this process) happen under an exclusive lock
+    file, so of two resumes of one directory started together exactly one proceeds; the other
+    then finds the run running in a live process and is refused.
+    """
+    if not (run_dir / CHECKPOINT_FILE).is_file():
+        if not run_dir.is_dir():
+            raise ValueError(f"--resume {run_dir} is not a directory; pass a run directory")
+        raise ValueError(no_checkpoint(run_dir))
+    lock = run_dir / _LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ValueError(
+            f"{run_dir} is being taken over by another resume ({_LOCK_FILE} exists); wait, or "
+            "delete that file if that process died"
+        ) from None
+    except OSError as err:
+        raise ValueError(
+            f"cannot write to {run_dir} ({err.strerror or err}); resume needs it"
+        ) from None
+    os.close(fd)
+    try:
+        status = read_status(run_dir) or {}
+        if status.get("status") == FINISHED:
+            raise ValueError(f"{run_dir} holds a finished run; there is nothing to resume")
+        if status.get("status") == RUNNING and _alive(status):
+            raise ValueError(
+                f"{run_dir} is being trained by process {status.get('pid')} on "
+                f"{status.get('host')}; stop it first (Ctrl-C leaves a checkpoint), then resume"
+            )
+        write_status(run_dir, RUNNING, int(status.get("steps_taken", 0) or 0),
+                     int(status.get("planned_steps", 0) or 0))  # fmt: skip
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()

@@ -1,0 +1,163 @@
+"""How a training job ends, in its run directory: finished, or interrupted and resumable.
+
+A finished run writes its model, history, facts, report and plots, deletes its checkpoint (it
+holds the random state the noise was drawn from) and marks its status finished. An interrupted run
+writes a checkpoint at the step where it stopped and a report of what was spent so far, marked
+interrupted and naming the command that continues it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from dpfy.data.datasets import LoadedDataset
+from dpfy.data.users import UserSplit
+from dpfy.jobs.checkpoint import (
+    FINISHED,
+    INTERRUPTED,
+    RUNNING,
+    JobState,
+    remove_checkpoint,
+    save_checkpoint,
+    write_status,
+)
+from dpfy.jobs.config import CONFIG_FILE, TrainConfig, write_config
+from dpfy.jobs.loop import TrainingStopped, accuracy
+from dpfy.report.clip_norms import NormLog
+from dpfy.train.session import PrivateTraining
+
+if TYPE_CHECKING:
+    from dpfy.report.facts import RunFacts
+    from dpfy.report.pitfalls import Finding
+
+#: The exit code of a run stopped by Ctrl-C (128 + SIGINT, as shells report it).
+INTERRUPTED_EXIT = 130
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped the run; its checkpoint and a report of what it spent are written."""
+
+    def __init__(
+        self, run_dir: Path, steps_taken: int, planned_steps: int, epsilon: float, delta: float,
+        checkpointed: bool,
+    ) -> None:  # fmt: skip
+        self.run_dir, self.steps_taken, self.planned_steps = run_dir, steps_taken, planned_steps
+        self.epsilon, self.delta, self.checkpointed = epsilon, delta, checkpointed
+        where = f"step {steps_taken}" if checkpointed else "its last periodic checkpoint"
+        super().__init__(
+            f"interrupted after {steps_taken} of {planned_steps} steps (ε = {epsilon:.4g} spent "
+            f"so far at δ = {delta:g}); `dpfy train --resume {run_dir}` continues it from {where}"
+        )
+
+    @property
+    def report(self) -> Path:
+        """The report of what was spent so far."""
+        return self.run_dir / "report.md"
+
+
+def started(run_dir: Path, config: TrainConfig, private: PrivateTraining) -> None:
+    """Before the first step: the settings a resume replays, and the running status."""
+    if not (run_dir / CONFIG_FILE).exists():
+        write_config(config, run_dir)
+    write_status(run_dir, RUNNING, private.ledger.steps, private.plan.steps)
+
+
+def merged(prior: NormLog, current: NormLog) -> NormLog:
+    """The gradient norms of the whole run: those carried over a resume, then this process's."""
+    log = NormLog()
+    for part in (prior.norms, current.norms):
+        if part.size:
+            log.add(part)
+    return log
+
+
+def _facts(
+    private: PrivateTraining,
+    config: TrainConfig,
+    data: LoadedDataset,
+    split: UserSplit | None,
+    job: JobState,
+    test_accuracy: float,
+    baseline: float | None,
+) -> RunFacts:
+    """The report's facts about the run as it stands (all steps, across resumes)."""
+    from dpfy.report.facts import ResultFacts, collect_facts
+
+    return collect_facts(
+        private,
+        dataset_name=data.name,
+        model_name=config.model,
+        dataset_source=data.source if split is None else f"{data.source}; {split.describe()}",
+        preprocessing=data.preprocessing,
+        results=ResultFacts(accuracy=test_accuracy, baseline_accuracy=baseline),
+        grad_norms=job.norms.stats(config.max_grad_norm) if job.norms.norms.size else None,
+        optimizer_name=config.optimizer,
+        learning_rate=config.lr,
+    )
+
+
+def _write_report(run_dir: Path, facts: RunFacts, job: JobState) -> None:
+    """history.json (train metrics labelled not private), facts, report card and plots."""
+    from dpfy.report.history import write_history
+    from dpfy.report.render import write_report
+
+    write_history(run_dir / "history.json", job.history)  # train metrics labelled not private
+    write_report(facts, run_dir, history=job.history)
+
+
+def finished(
+    private: PrivateTraining,
+    run_dir: Path,
+    config: TrainConfig,
+    data: LoadedDataset,
+    split: UserSplit | None,
+    job: JobState,
+    test_accuracy: float,
+    baseline: float | None,
+) -> tuple[Finding, ...]:
+    """Write the finished run; return the pitfalls its report card flags, errors first."""
+    from dpfy.report.pitfalls import find_pitfalls
+
+    torch.save(private.model.state_dict(), run_dir / "model.pt")
+    facts = _facts(private, config, data, split, job, test_accuracy, baseline)
+    _write_report(run_dir, facts, job)
+    remove_checkpoint(run_dir)
+    write_status(run_dir, FINISHED, private.ledger.steps, private.plan.steps)
+    return find_pitfalls(facts)
+
+
+def interrupted(
+    private: PrivateTraining,
+    run_dir: Path,
+    config: TrainConfig,
+    data: LoadedDataset,
+    split: UserSplit | None,
+    job: JobState,
+    stopped: TrainingStopped,
+) -> Interrupted | KeyboardInterrupt:
+    """Write the checkpoint (when the stop fell between steps) and the interrupted report.
+
+    Under torchrun the ranks cannot agree on a step to save at, so there Ctrl-C stops as usual
+    and a resume continues from the last periodic checkpoint.
+    """
+    if private.replicas.world_size > 1:
+        return KeyboardInterrupt()
+    if stopped.at_step_boundary:
+        save_checkpoint(private, run_dir, job)
+    steps, planned = private.ledger.steps, private.plan.steps
+    facts = _facts(private, config, data, split, job, accuracy(private.model, data.test), None)
+    _write_report(run_dir, facts, job)
+    report = run_dir / "report.md"
+    report.write_text(
+        f"> **Interrupted** after {steps} of {planned} planned steps: this report covers only "
+        f"what was spent so far. `dpfy train --resume {run_dir}` continues the run, and its "
+        "final report covers all steps.\n\n" + report.read_text(encoding="utf-8"),
+        encoding="utf-8",
+    )
+    write_status(run_dir, INTERRUPTED, steps, planned)
+    return Interrupted(
+        run_dir, steps, planned, private.epsilon(), private.plan.delta, stopped.at_step_boundary
+    )
