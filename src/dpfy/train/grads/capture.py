@@ -178,7 +178,7 @@ class Taps:
         """The batch size to expand a call of batch size 1 to (None: it is no broadcast).
 
         A call whose first input has batch size 1 while this forward's other calls (or, before
-        any, the model's first input) have B > 1 shares that input across the batch, provided
+        any, the model's first input) have B ≠ 1 shares that input across the batch, provided
         each of its outputs needing a gradient has batch size 1 too.
         """
         first = args[0] if args else None
@@ -190,7 +190,7 @@ class Taps:
                 self._batch = size
             return None
         batch = self._batch if self._batch is not None else self._root_batch
-        if batch is None or batch <= 1:
+        if batch is None or batch == 1:  # an empty batch (0) expands too: it is still a step
             return None
         if any(out.dim() == 0 or out.shape[0] != 1 for out in outputs):
             return None
