@@ -68,29 +68,29 @@ groups=None, noise=None, scale=1.0)``
 
 Engines
 -------
-``fast`` (:mod:`dpfy.train.grads.fast`): one forward, one backward. Hooks keep each layer's inputs
-and
-    output gradients; a per-layer *rule* (:mod:`dpfy.train.grads.registry`, one small class per
-    layer type
-    registered with ``@register_rule``) gives per-example squared norms, and the clipped sum is one
-    product ``aᵀ diag(c) g`` per layer (book-keeping, Bu et al. 2023). Linear layers on sequences
-    use the ghost norm ``⟨aaᵀ, ggᵀ⟩`` (Li et al. 2022) or the direct per-example gradient, whichever
-    is cheaper (``2T² < p·d``). While a watched layer runs forward, its parameters'
-    ``requires_grad`` is switched off so autograd skips the ordinary parameter gradient that would
-    be thrown away (a layer whose inputs need no gradient gets a fresh autograd root for its output
-    instead). Layers whose per-example gradients are smaller than their captured tensors
-    (convolutions on the direct route, normalisation layers) are reduced to them during backward,
-    releasing activations early. Rules: ``nn.Linear`` (any leading dims), ``nn.Conv1d``,
-    ``nn.Conv2d`` (stride, padding incl. "same" and non-zero modes, dilation, groups),
-    ``nn.Embedding`` (``padding_idx``; not ``scale_grad_by_freq``), ``nn.LayerNorm``,
-    ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm1d/2d/3d`` (affine, no running statistics),
-    and attention's input projection. ``nn.MultiheadAttention`` is
+``fast`` (:mod:`dpfy.train.grads.fast`): one forward, one backward. Hooks keep each layer's
+    inputs and output gradients; a per-layer *rule* (:mod:`dpfy.train.grads.registry`, one
+    small class per layer type registered with ``@register_rule``) gives per-example squared
+    norms, and the clipped sum is one product ``aᵀ diag(c) g`` per layer (book-keeping, Bu et
+    al. 2023). Linear layers on sequences use the ghost norm ``⟨aaᵀ, ggᵀ⟩`` (Li et al. 2022) or
+    the direct per-example gradient, whichever is cheaper (``2T² < p·d``). While a watched layer
+    runs forward, its parameters' ``requires_grad`` is switched off so autograd skips the
+    ordinary parameter gradient that would be thrown away (a layer whose inputs need no gradient
+    gets a fresh autograd root for its output instead). Layers whose per-example gradients are
+    smaller than their captured tensors (convolutions on the direct route, normalisation layers)
+    are reduced to them during backward, releasing activations early. Rules: ``nn.Linear`` (any
+    leading dims), ``nn.Conv1d``, ``nn.Conv2d`` (stride, padding incl. "same" and non-zero
+    modes, dilation, groups), ``nn.Embedding`` (``padding_idx``; not ``scale_grad_by_freq``),
+    ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm1d/2d/3d`` (affine, no
+    running statistics), attention's input projection, and Hugging Face's ``Conv1D`` (GPT-2;
+    registered by name, so transformers is never imported). ``nn.MultiheadAttention`` is
     replaced while attached by :class:`~dpfy.train.grads.substitutions.DPMultiheadAttention`, an
-    exact
-    equivalent built from hookable projections holding the *same* Parameters, so
-    ``nn.TransformerEncoder`` runs on the fast engine (``add_bias_kv`` is not supported). A layer
-    called twice in one forward pass, or a parameter shared by two layers (weight tying), is refused
-    by ``fast`` (``auto`` detects sharing and picks ``vmap``).
+    exact equivalent built from hookable projections holding the *same* Parameters, so
+    ``nn.TransformerEncoder`` runs on the fast engine (``add_bias_kv`` is not supported). A
+    parameter shared by several layers (tied input and output embeddings) is clipped by the norm
+    of its summed gradient (:mod:`dpfy.train.grads.shared`) when every layer's rule can factor
+    it (Linear, Embedding, Conv1D); otherwise, and for a layer called twice in one forward pass,
+    ``fast`` refuses and ``auto`` picks ``vmap``.
 ``vmap`` (:mod:`dpfy.train.grads.vmap`): any layer that acts on each example separately; per-example
     gradients of each layer's own parameters from ``torch.func`` (``vmap`` of ``vjp`` through
     ``functional_call``), one layer at a time, summed across repeated calls and shared
@@ -100,6 +100,13 @@ and
 Adding a layer type: subclass :class:`LayerRule` (``sq_norms``, ``clipped_sum``, optionally
 ``per_example_grads`` and ``add_clipped_sum``), decorate it with ``@register_rule(MyLayer)``,
 and test it against the batch-of-one reference in ``tests/test_grads.py``.
+
+Both engines, in batch-first models, run a layer called on an input of batch size 1 that every
+example shares (BERT's and GPT-2's default position ids (1, T)) by expanding its output to the
+batch; any use of that output other than elementwise with the batch raises
+(:mod:`dpfy.train.grads.broadcast`). Under ``torch.autocast`` (bf16, fp16) or on bf16 weights,
+norms and sums are computed and accumulated in float32 at least, with autocast off, and each
+finished sum is cast to its parameter's dtype (:mod:`dpfy.train.grads.precision`).
 
 Batch-coupled layers (BatchNorm) are not detected here; :mod:`dpfy.train.checks` refuses them. A
 parameter that receives a gradient outside any watched layer call makes ``clip_and_accumulate``
