@@ -27,7 +27,7 @@ from typer.core import TyperGroup
 
 from dpfy import __version__
 from dpfy.cli.train_output import PITFALL_EXIT
-from dpfy.federated.config import FederatedConfig
+from dpfy.federated.config import SERVER_OPTIMIZER_NAMES, FederatedConfig
 from dpfy.jobs.config import (
     ALGORITHM_NAMES,
     CONFIG_FILE,
@@ -528,12 +528,15 @@ def tune(
 
 
 _FED = FederatedConfig()
+ServerOptimizerChoice = _choices("ServerOptimizerChoice", SERVER_OPTIMIZER_NAMES)
+_FED_DATASET, _FED_MODEL = DatasetChoice(_FED.dataset), ModelChoice(_FED.model)
+_FED_SERVER = ServerOptimizerChoice(_FED.server_optimizer)
 
 
 @app.command()
 def federated(
-    dataset: Annotated[str, typer.Option(help="digits, fashion-mnist, …")] = _FED.dataset,
-    model: Annotated[str, typer.Option(help="logreg, mlp or cnn.")] = _FED.model,
+    dataset: Annotated[DatasetChoice, typer.Option(help="Bundled dataset.")] = _FED_DATASET,
+    model: Annotated[ModelChoice, typer.Option(help="Model (cnn: GroupNorm CNN).")] = _FED_MODEL,
     users: Annotated[
         int, typer.Option(help="Simulated users (skewed non-IID split).")
     ] = _FED.users,
@@ -548,20 +551,22 @@ def federated(
         int, typer.Option(help="Local SGD steps K (1 = FedSGD).")
     ] = _FED.local_steps,
     local_batch_size: Annotated[
-        int | None, typer.Option(help="Local batch B_m (default: all of a user's data).")
-    ] = _FED.local_batch_size,
+        int, typer.Option(help="Local batch B_m of each local step; 0: all of the user's data.")
+    ] = _FED.local_batch_size or 0,
     client_lr: Annotated[float, typer.Option(help="Client learning rate η_c.")] = _FED.client_lr,
     server_lr: Annotated[float, typer.Option(help="Server learning rate η_s.")] = _FED.server_lr,
     server_optimizer: Annotated[
-        str, typer.Option(help="sgd, momentum or adam.")
-    ] = _FED.server_optimizer,
+        ServerOptimizerChoice, typer.Option(help="Server optimizer on the noised mean change.")
+    ] = _FED_SERVER,
     clip_norm: Annotated[
         float, typer.Option(help="Clip norm C of each user's change.")
     ] = _FED.clip_norm,
     target_epsilon: Annotated[
         float, typer.Option(help="User-level ε to spend.")
     ] = _FED.target_epsilon,
-    delta: Annotated[float | None, typer.Option(help="δ; default ≥ 10× below 1/users.")] = None,
+    delta: Annotated[
+        float | None, typer.Option(help="δ; default: a power of ten at least 10× below 1/users.")
+    ] = None,
     seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _FED.seed,
     out: Annotated[str | None, typer.Option(help=_OUT_HELP)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
@@ -570,11 +575,16 @@ def federated(
     from dpfy.federated.experiment import federated_command
 
     with _user_errors():
+        if local_batch_size < 0:
+            raise ValueError(
+                f"local_batch_size must be >= 1, or 0 for all of a user's data; got "
+                f"{local_batch_size}"
+            )
         federated_command(
-            dataset=dataset, model=model, users=users, alpha=alpha,
+            dataset=dataset.value, model=model.value, users=users, alpha=alpha,
             clients_per_round=clients_per_round, rounds=rounds, local_steps=local_steps,
-            local_batch_size=local_batch_size, client_lr=client_lr, server_lr=server_lr,
-            server_optimizer=server_optimizer, clip_norm=clip_norm,
+            local_batch_size=local_batch_size or None, client_lr=client_lr, server_lr=server_lr,
+            server_optimizer=server_optimizer.value, clip_norm=clip_norm,
             target_epsilon=target_epsilon, delta=delta, seed=seed, out=_out_dir(out),
             data_dir=data_dir,
         )  # fmt: skip

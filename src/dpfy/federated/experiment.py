@@ -22,7 +22,7 @@ from rich.console import Console
 from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.data.users import UserSplit, split_users
 from dpfy.federated.config import FederatedConfig
-from dpfy.federated.fedavg import DPFedAvg, federated_plan
+from dpfy.federated.fedavg import DPFedAvg, algorithm_of, federated_plan
 from dpfy.federated.simulation import simulate
 from dpfy.jobs.config import public_seed
 from dpfy.plan.privacy_plan import PrivacyPlan
@@ -207,18 +207,22 @@ def federated_facts(
 
 
 def federated_command(console: Console | None = None, **options: Any) -> FederatedResult:
-    """What ``dpfy federated`` runs: build the config, train, print a summary and the report."""
-    from rich.table import Table
+    """What ``dpfy federated`` runs: build the config, train, print a short summary.
 
-    console = console or Console()
-    result = run_federated(FederatedConfig(**options), console)
-    table = Table(title=f"Run {result.run_dir}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("test accuracy (DP-FedAvg)", f"{result.test_accuracy:.4f}")
-    table.add_row("ε spent", f"{result.epsilon:.4f} at δ = {result.delta:g} (user-level)")
-    table.add_row("rounds", f"{result.rounds}, σ = {result.noise_multiplier:.4f}")
-    table.add_row("time", f"{result.seconds:.1f} s")
-    console.print(table)
-    console.print((result.run_dir / "report.md").read_text(), markup=False)
+    Plain lines, never a table, so that paths are never cut or wrapped when piped; the whole
+    report card is in the run directory's ``report.md``.
+    """
+    console = console or Console(soft_wrap=True)
+    config = FederatedConfig(**options)
+    result = run_federated(config, console)
+    label = algorithm_of(config.local_steps, config.local_batch_size, config.client_lr)
+    for line in (
+        f"run directory: {result.run_dir}",
+        f"report: {result.run_dir / 'report.md'}",
+        f"test accuracy ({label}): {result.test_accuracy:.4f}",
+        f"ε spent: {result.epsilon:.4f} at δ = {result.delta:g} (user-level)",
+        f"rounds: {result.rounds}, σ = {result.noise_multiplier:.4f}",
+        f"time: {result.seconds:.1f} s",
+    ):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     return result

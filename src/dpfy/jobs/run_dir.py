@@ -70,6 +70,11 @@ def _refuse_occupied(path: Path) -> None:
         names = sorted(os.listdir(path))
     except OSError as err:
         raise _unwritable(path, err) from None
+    if _interrupted(path):
+        raise ValueError(
+            f"{path} holds an interrupted run; `dpfy train --resume {path}` continues it, or "
+            "choose another --out directory for a new run"
+        )
     finished = next((name for name in FINISHED_MARKERS if name in names), None)
     if finished is not None:
         raise ValueError(
@@ -88,6 +93,15 @@ def _refuse_occupied(path: Path) -> None:
             f"--out {path} is not empty (it holds {shown}); dpfy writes only into a new or empty "
             "directory, so it never overwrites files it did not write: choose another --out"
         )
+
+
+def _interrupted(path: Path) -> bool:
+    """Whether ``path`` holds a run stopped part-way that ``--resume`` can continue."""
+    try:
+        status = json.loads((path / "status.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(status, dict) and status.get("status") == "interrupted"
 
 
 def prepare_run_dir(path: Path) -> Path:
