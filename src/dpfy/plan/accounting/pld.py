@@ -196,7 +196,8 @@ def _compose_leaves(leaves: dict[_Leaf, int], precision: PldPrecision) -> list[D
         directions.append(False)
     return [
         compose_directions(
-            {Direction(lf.pair, lf.sampling_rate, way): c for lf, c in leaves.items()}
+            {Direction(lf.pair, lf.sampling_rate, way): c for lf, c in leaves.items()},
+            precision,
         )
         for way in directions
     ]

@@ -10,6 +10,11 @@ Where each part lives: the walker and the orders grid in rdp_composition; the ru
 rdp_mechanisms, rdp_subsampling and rdp_repeat_and_select (importing them here registers
 them); the conversion in rdp_conversion; this module holds the accountant.
 
+Heterogeneous runs (σ or q changing every step) are many distinct Poisson-sampled Gaussians:
+the accountant computes all of their curves in one batch (rdp_sampled_gaussian) and, for ε or
+δ, only at the orders that can be the best (rdp_order_search); :attr:`RdpAccountant.rdp`
+still gives the whole curve.
+
 Pure numpy/scipy: this module never imports torch.
 """
 
@@ -30,9 +35,24 @@ from dpfy.plan.accounting import (
     rdp_subsampling,  # noqa: F401
 )
 from dpfy.plan.accounting.accountant import Accountant, register_accountant
-from dpfy.plan.accounting.events import DpEvent, NeighbouringRelation
+from dpfy.plan.accounting.events import (
+    ComposedEvent,
+    DpEvent,
+    GaussianEvent,
+    NeighbouringRelation,
+    NoOpEvent,
+    PoissonSampledEvent,
+    SelfComposedEvent,
+)
 from dpfy.plan.accounting.rdp_composition import _curve, check_orders, rdp_unsupported_reason
-from dpfy.plan.accounting.rdp_conversion import RdpEpsilon, delta_from_rdp, epsilon_from_rdp
+from dpfy.plan.accounting.rdp_conversion import (
+    RdpEpsilon,
+    _epsilon_per_order,
+    _log_delta_per_order,
+    _on_edge,
+)
+from dpfy.plan.accounting.rdp_order_search import best_order
+from dpfy.plan.accounting.rdp_sampled_gaussian import sampled_gaussian_curves
 
 __all__ = ["GridEdgeWarning", "RdpAccountant"]
 
@@ -56,6 +76,72 @@ def _edge_message(details: RdpEpsilon, orders: np.ndarray) -> str:
     )
 
 
+class _Split:
+    """The composed events as distinct sampled Gaussians (rows, with counts) plus the rest.
+
+    The rows' curve is computed lazily, order by order, and kept: an ε query needs only a few
+    orders, the whole curve needs them all.
+    """
+
+    def __init__(
+        self,
+        composed: list[tuple[DpEvent, int]],
+        relation: NeighbouringRelation,
+        orders: np.ndarray,
+    ) -> None:
+        rows: dict[tuple[float, float], int] = {}
+        self.other = np.zeros_like(orders)
+        stack = [(event, count) for event, count in reversed(composed)]
+        while stack:
+            event, count = stack.pop()
+            if isinstance(event, ComposedEvent):
+                stack.extend((member, count) for member in reversed(event.events))
+            elif isinstance(event, SelfComposedEvent):
+                if event.count:
+                    stack.append((event.event, count * event.count))
+            elif isinstance(event, PoissonSampledEvent) and isinstance(event.event, GaussianEvent):
+                key = (float(event.sampling_rate), float(event.event.noise_multiplier))
+                rows[key] = rows.get(key, 0) + count
+            elif not isinstance(event, NoOpEvent):
+                self.other = self.other + count * _curve(event, relation, orders)
+        self.orders = orders
+        self.q = np.array([key[0] for key in rows], dtype=float)
+        self.sigma = np.array([key[1] for key in rows], dtype=float)
+        self.counts = np.array(list(rows.values()), dtype=float)
+        self.rows = np.full(orders.shape, np.nan)
+
+    def exact(self, indices: np.ndarray) -> np.ndarray:
+        """Σ count·ε_row(α) at ``orders[indices]`` (computed once per order)."""
+        todo = indices[np.isnan(self.rows[indices])]
+        if todo.size:
+            if self.q.size:
+                curves = sampled_gaussian_curves(
+                    self.q, self.sigma, self.orders[todo], top_order=float(self.orders.max())
+                )
+                with np.errstate(invalid="ignore"):  # 0·∞ cannot occur: counts are ≥ 1
+                    self.rows[todo] = self.counts @ curves
+            else:
+                self.rows[todo] = 0.0
+        return self.rows[indices]
+
+    def curve(self) -> np.ndarray:
+        """The whole RDP curve."""
+        return self.exact(np.arange(self.orders.size)) + self.other
+
+    def best(self, score) -> tuple[int, float]:
+        """The order index minimising ``score(indices, curve values)``, and that minimum."""
+        index, _ = best_order(self.orders, self.exact, self.other, score)
+        value = float(
+            score(np.array([index]), self.exact(np.array([index])) + self.other[[index]])[0]
+        )
+        return index, value
+
+    @property
+    def nothing(self) -> bool:
+        """Whether nothing private was composed (the curve is zero everywhere)."""
+        return self.q.size == 0 and not np.any(self.other > 0)
+
+
 @register_accountant
 class RdpAccountant(Accountant):
     """Rényi-DP accountant: sums RDP curves over a grid of orders, converts to (ε, δ).
@@ -73,7 +159,7 @@ class RdpAccountant(Accountant):
     ) -> None:
         super().__init__(relation)
         self._orders = check_orders(orders)
-        self._rdp: np.ndarray | None = None
+        self._split: _Split | None = None
 
     @property
     def orders(self) -> np.ndarray:
@@ -83,12 +169,13 @@ class RdpAccountant(Accountant):
     @property
     def rdp(self) -> np.ndarray:
         """The RDP of everything composed so far, one entry per order (a copy)."""
-        if self._rdp is None:
-            total = np.zeros_like(self._orders)
-            for event, count in self._composed:
-                total = total + count * _curve(event, self.relation, self._orders)
-            self._rdp = total
-        return self._rdp.copy()
+        return self._parts().curve().copy()
+
+    def _parts(self) -> _Split:
+        """The composed events split into batched sampled Gaussians and the rest (cached)."""
+        if self._split is None:
+            self._split = _Split(self._composed, self.relation, self._orders)
+        return self._split
 
     def unsupported_reason(self, event: DpEvent) -> str | None:
         """Why this accountant cannot bound ``event`` under its relation, or None if it can."""
@@ -96,21 +183,42 @@ class RdpAccountant(Accountant):
 
     def _invalidate(self) -> None:
         """A new event changes the curve; recompute it on the next query."""
-        self._rdp = None
+        self._split = None
 
     def epsilon_details(self, delta: float) -> RdpEpsilon:
         """ε at ``delta`` with the certifying order; warns when that order is on the grid edge."""
         delta = check_delta(delta)
-        details = epsilon_from_rdp(self.rdp, self._orders, delta)
+        details = self._epsilon_search(delta)
         self._warn_on_edge(details)
         return details
 
     def delta_details(self, epsilon: float) -> RdpEpsilon:
         """δ at ``epsilon`` with the certifying order; warns when that order is on the grid edge."""
         epsilon = check_range("epsilon", epsilon, 0.0, math.inf, low_open=False)
-        details = delta_from_rdp(self.rdp, self._orders, epsilon)
+        details = self._delta_search(epsilon)
         self._warn_on_edge(details)
         return details
+
+    def _epsilon_search(self, delta: float) -> RdpEpsilon:
+        """What ``epsilon_from_rdp`` gives on the whole curve, computing only needed orders."""
+        parts, orders = self._parts(), self._orders
+        if parts.nothing:
+            return RdpEpsilon(0.0, delta, math.inf, False)
+        index, value = parts.best(lambda idx, curve: _epsilon_per_order(curve, orders[idx], delta))
+        if not math.isfinite(value):  # no order bounds anything: ε is infinite
+            return RdpEpsilon(math.inf, delta, math.inf, False)
+        return RdpEpsilon(max(0.0, value), delta, float(orders[index]), _on_edge(index, orders))
+
+    def _delta_search(self, epsilon: float) -> RdpEpsilon:
+        """What ``delta_from_rdp`` gives on the whole curve, computing only needed orders."""
+        parts, orders = self._parts(), self._orders
+        if parts.nothing:
+            return RdpEpsilon(epsilon, 0.0, math.inf, False)
+        index, value = parts.best(
+            lambda idx, curve: _log_delta_per_order(curve, orders[idx], epsilon)[0]
+        )
+        delta = math.exp(min(0.0, value))
+        return RdpEpsilon(epsilon, delta, float(orders[index]), _on_edge(index, orders))
 
     def _warn_on_edge(self, details: RdpEpsilon) -> None:
         """A grid-edge optimum means ε could shrink with more orders: say so, never silently."""

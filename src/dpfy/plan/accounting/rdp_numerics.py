@@ -14,23 +14,10 @@ def _log_expm1(x: np.ndarray | float) -> np.ndarray:
         return x + np.log(-np.expm1(-x))
 
 
-def _log_abs_expm1(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """log|eˣ − 1| and its sign, for any real x (−∞ with sign 0 at x = 0)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        positive = _log_expm1(np.maximum(x, 0.0))
-        negative = np.log(-np.expm1(np.minimum(x, 0.0)))
-    return np.where(x > 0, positive, negative), np.sign(x)
-
-
 def _log_abs_binom(alpha: float, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """log|C(α, k)| and its sign for real α > 0 and whole k ≥ 0 (the generalised binomial)."""
     log_abs = special.gammaln(alpha + 1) - special.gammaln(k + 1) - special.gammaln(alpha - k + 1)
     return log_abs, special.gammasgn(alpha - k + 1)
-
-
-def _is_integer(order: float) -> bool:
-    """Integer orders have exact finite expansions; fractional ones need series or interpolation."""
-    return float(order).is_integer()
 
 
 def _half_square(scale: float) -> float:
