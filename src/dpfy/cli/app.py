@@ -366,7 +366,7 @@ def _train_config(
     if resume is not None:
         config = _resumed_config(resume, given)
     elif config_file is not None:
-        config = replace(read_config(config_file), out=None, **given)
+        config = replace(read_config(config_file), **{"out": None, **given})
     else:
         config = replace(_TRAIN, **given)
     if config.delta is not None and not (0 < config.delta < 1):
