@@ -425,11 +425,11 @@ def test_dpfy_federated_refuses_more_clients_than_users_in_one_line(tmp_path):
     [
         ("--clients-per-round", "0", "clients_per_round"),
         ("--local-steps", "0", "local_steps"),
-        ("--local-batch-size", "0", "local_batch_size"),
+        ("--local-batch-size", "-1", "local_batch_size"),  # 0: all of a user's data
         ("--client-lr", "-1", "client_lr"),
         ("--server-lr", "0", "server_lr"),
         ("--clip-norm", "0", "clip_norm"),
-        ("--server-optimizer", "rmsprop", "server optimizer"),
+        ("--server-optimizer", "rmsprop", "--server-optimizer"),
     ],
 )
 def test_dpfy_federated_refuses_bad_settings_before_creating_the_run_dir(
