@@ -14,7 +14,8 @@ strings "inf"/"nan" when unbounded, or null where not applicable)::
     title: str                                      "Privacy report: MODEL on DATASET"
     headline: str                                   one-paragraph claim, honest about assumptions
     dp_setting:      {model: "central", curator: "trusted", statement}                   §3.1
-    released:        {outputs: "final-model" | "every-checkpoint", statement}            §2.2
+    released:        {outputs: "final-model" | "every-checkpoint", public: [str],
+                      statement}                                                         §2.2
     unit_of_privacy: {unit: "example" | "user", statement,
                       users, examples, max_examples_per_user (user-level runs only)}     §2.1
     neighbouring_relation: {relation, statement, comparability}                          §2.1

@@ -43,7 +43,7 @@ from dpfy.report.accounting import (
     accounting_facts,
 )
 from dpfy.report.clip_norms import GradNormStats, NormLog, record_clip_norms
-from dpfy.report.json_codec import asdict, build, json_restore, json_safe, optional
+from dpfy.report.json_codec import asdict, build, json_restore, json_safe, optional, tuple_of
 from dpfy.report.provenance import source_commit
 from dpfy.report.recompute import RECOMPUTE_RULE, check_settings_against, recomputed_accounting
 from dpfy.report.run_parts import (
@@ -55,6 +55,7 @@ from dpfy.report.run_parts import (
     LayerIssue,
     ModelFacts,
     PreprocessingStep,
+    PublicInput,
     ResultFacts,
     TrainingFacts,
     TuningFacts,
@@ -89,6 +90,7 @@ class RunFacts:
     tuning: TuningFacts = field(default_factory=TuningFacts)
     results: ResultFacts = field(default_factory=ResultFacts)
     grad_norms: GradNormStats | None = None
+    public_inputs: tuple[PublicInput, ...] = ()  # pretrained weights, tokenizer: not private
 
     def to_dict(self) -> dict[str, Any]:
         """Versioned plain-JSON dict (non-finite floats as 'inf'/'-inf'/'nan')."""
@@ -123,6 +125,7 @@ class RunFacts:
                 "tuning": lambda d: build(TuningFacts, d, where="tuning"),
                 "results": lambda d: build(ResultFacts, d, where="results"),
                 "grad_norms": optional(lambda d: build(GradNormStats, d, where="grad_norms")),
+                "public_inputs": tuple_of(PublicInput, "public_inputs"),
             },
         )
         _check_inputs(facts)
@@ -293,10 +296,13 @@ def collect_facts(
     loss_normalisation: str | None = None,
     optimizer_name: str | None = None,
     learning_rate: float | None = None,
+    public_inputs: tuple[PublicInput, ...] = (),
 ) -> RunFacts:
     """Assemble the facts of a finished (or stopped) run from the run itself and the trainer.
 
-    ``unit`` defaults to the run's own unit of privacy (``"user"`` for user-level DP-SGD).
+    ``unit`` defaults to the run's own unit of privacy (``"user"`` for user-level DP-SGD);
+    ``public_inputs`` names what the run started from that is public (pretrained weights and
+    their tokenizer), for the report to state.
     """
     plan = training.plan
     unit = plan.unit if unit is None else unit
@@ -329,6 +335,7 @@ def collect_facts(
         tuning=tuning or TuningFacts(),
         results=results or ResultFacts(),
         grad_norms=grad_norms,
+        public_inputs=tuple(public_inputs),
     )
 
 
@@ -351,6 +358,7 @@ __all__ = [
     "NormLog",
     "PreprocessingStep",
     "PrivacyPlan",
+    "PublicInput",
     "ResultFacts",
     "RunFacts",
     "SampledSteps",

@@ -60,6 +60,27 @@ class PreprocessingStep:
 
 
 @dataclass(frozen=True)
+class PublicInput:
+    """Something the run used that is public, not private: pretrained weights, a tokenizer.
+
+    The guarantee covers only the private training data; what a run starts from must not depend
+    on it, so the report names it and where it came from (guide §5.3.3).
+    """
+
+    role: str
+    name: str
+    source: str = ""
+    version: str = ""
+
+    def describe(self) -> str:
+        """One phrase: role, name, and source and version when known."""
+        origin = ", ".join(
+            part for part in (self.source, self.version and f"version {self.version}") if part
+        )
+        return f"{self.role}: {self.name}" + (f" ({origin})" if origin else "")
+
+
+@dataclass(frozen=True)
 class DatasetFacts:
     """Which data was trained on and how it was prepared."""
 
@@ -217,6 +238,7 @@ __all__ = [
     "LayerIssue",
     "ModelFacts",
     "PreprocessingStep",
+    "PublicInput",
     "ResultFacts",
     "TrainingFacts",
     "TuningFacts",

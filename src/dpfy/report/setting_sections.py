@@ -38,7 +38,11 @@ def dp_setting(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -
 
 @section("released", "2. What is released", paragraph)
 def released(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -> dict[str, Any]:
-    """What leaves the curator; everything computed from DP outputs is post-processing (§2.2)."""
+    """What leaves the curator; everything computed from DP outputs is post-processing (§2.2).
+
+    A fine-tuned model names its public starting point: the guarantee covers only the private
+    training data, so the pretrained weights and tokenizer must not have seen it.
+    """
     outputs = facts.training.released
     statement = (
         f"Released: {RELEASES[outputs]}. Released models are computed only from their "
@@ -46,7 +50,14 @@ def released(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -> 
         "post-processing of the DP outputs and carry the same guarantee (guide §2.2); the ε "
         f"below covers all {facts.training.steps_taken} {words.algorithm.steps}."
     )
-    return {"outputs": outputs, "statement": statement}
+    public = [item.describe() for item in facts.public_inputs]
+    if public:
+        statement += (
+            f" Public, not private (the initialisation above): {'; '.join(public)}. They were "
+            "not trained on the private data, the guarantee does not cover them, and anything "
+            "they were pretrained on is outside it."
+        )
+    return {"outputs": outputs, "public": public, "statement": statement}
 
 
 @section("unit_of_privacy", "3. Unit of privacy", paragraph)
