@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,6 +121,7 @@ def test_an_interrupt_inside_a_step_resumes_from_the_last_periodic_checkpoint(
     ctrl_c_at(6, mid_step=True)  # step 6 never finishes: the checkpoint of step 5 stands
     code, _, stderr = dpfy(*QUICK, "--seed", "7", "--out", str(out))
     assert code == 130 and "last periodic checkpoint" in stderr, stderr
+    assert facts(out)["results"]["accuracy"] is None  # that model is past the checkpoint
     code, stdout, _ = dpfy("train", "--resume", str(out), "--json")
     assert json.loads(stdout)["resumed_at"] == 5
     assert spent(out) == spent(uninterrupted)
@@ -172,3 +175,31 @@ def test_a_new_run_into_an_interrupted_directory_is_refused_naming_resume(tmp_pa
     assert dpfy(*QUICK, "--out", str(out))[0] == 130
     code, _, stderr = dpfy(*QUICK, "--out", str(out))
     assert code == 2 and f"`dpfy train --resume {out}` continues it" in one_error_line(stderr)
+
+
+def test_a_run_that_died_after_its_last_step_resumes_to_its_report_without_a_step_more(
+    tmp_path, monkeypatch, uninterrupted
+):
+    from dpfy.jobs import outcome
+
+    out = tmp_path / "run"
+
+    def die(*args, **kwargs):
+        raise RuntimeError("the machine went down")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(outcome, "finished", die)
+        with pytest.raises(RuntimeError):
+            CliRunner().invoke(app, [*QUICK, "--seed", "7", "--out", str(out)],
+                               catch_exceptions=False)  # fmt: skip
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    status = json.loads((out / STATUS_FILE).read_text())
+    write_status(out, "running", status["steps_taken"], STEPS)
+    document = json.loads((out / STATUS_FILE).read_text())
+    (out / STATUS_FILE).write_text(json.dumps({**document, "pid": int(dead.stdout)}))
+    code, stdout, stderr = dpfy("train", "--resume", str(out), "--json")
+    assert code == 3, stderr
+    assert json.loads(stdout)["resumed_at"] == STEPS
+    assert spent(out) == spent(uninterrupted)
+    assert facts(out)["results"]["accuracy"] == facts(uninterrupted)["results"]["accuracy"]

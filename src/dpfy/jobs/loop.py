@@ -153,8 +153,11 @@ def train_private(
     """The user's ordinary loop, plus progress and periodic evaluation; returns the history.
 
     It starts at the ledger's step count (a resumed run continues its steps and ``history``),
-    calls ``checkpoint`` at every evaluation before the last step, and raises
-    :class:`TrainingStopped` when ``stop`` is requested or Ctrl-C arrives.
+    calls ``checkpoint`` at every evaluation, before its figures are shown, and raises
+    :class:`TrainingStopped` when ``stop`` is requested or Ctrl-C arrives. Checkpointing before
+    showing means a figure computed from the model (test accuracy) only ever leaves the process
+    at a step a resume continues after: a resume never replays, with the same noise, a step
+    whose result was already seen.
     """
     history = [] if history is None else history
     stop = stop or StopRequest()
@@ -166,7 +169,7 @@ def train_private(
                 loss=math.nan, acc=math.nan, eps=private.epsilon() if step else 0.0,
             )  # fmt: skip
             running = _Running()
-            for _ in _passes(private.loader):
+            for _ in _passes(private.loader) if step < total else ():  # resumed when done
                 for x, y in private.loader:
                     stop.in_step = True
                     running.add(*_step(private, x, y))
@@ -175,12 +178,12 @@ def train_private(
                     if step % eval_every == 0 or step == total:
                         entry = _evaluate(private, data, step, running)
                         history.append(entry)
+                        if checkpoint is not None:  # before the figures are shown: see above
+                            checkpoint()
                         progress.update(
                             task, loss=entry["loss"], acc=entry["test_accuracy"],
                             eps=entry["epsilon"],
                         )  # fmt: skip
-                        if checkpoint is not None and step < total:
-                            checkpoint()
                     progress.update(task, advance=1)
                     if stop.requested and step < total:
                         raise TrainingStopped(at_step_boundary=True)

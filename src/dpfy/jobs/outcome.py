@@ -80,7 +80,7 @@ def _facts(
     data: LoadedDataset,
     split: UserSplit | None,
     job: JobState,
-    test_accuracy: float,
+    test_accuracy: float | None,
     baseline: float | None,
 ) -> RunFacts:
     """The report's facts about the run as it stands (all steps, across resumes)."""
@@ -148,7 +148,10 @@ def interrupted(
     if stopped.at_step_boundary:
         save_checkpoint(private, run_dir, job)
     steps, planned = private.ledger.steps, private.plan.steps
-    facts = _facts(private, config, data, split, job, accuracy(private.model, data.test), None)
+    # Stopped inside a step, the model in memory is past the last checkpoint, and a resume will
+    # replay those steps with the same noise: nothing computed from that model is published.
+    shown = accuracy(private.model, data.test) if stopped.at_step_boundary else None
+    facts = _facts(private, config, data, split, job, shown, None)
     _write_report(run_dir, facts, job)
     report = run_dir / "report.md"
     report.write_text(
