@@ -158,3 +158,34 @@ def test_a_nested_owner_using_the_parameter_itself_is_refused_by_fast() -> None:
         engine.clip_and_accumulate(1.0)
     engine.detach()
     assert_matches_reference(model, x, y, kinds=("vmap",))
+
+
+class SliceOrGiven(nn.Module):
+    """Adds a lookup of the first example's tokens, or of position ids the caller passes."""
+
+    def __init__(self, slice_first: bool) -> None:
+        super().__init__()
+        self.tokens, self.other = nn.Embedding(10, 4), nn.Embedding(10, 4)
+        self.slice_first = slice_first
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        shared = x[:1] if self.slice_first else position_ids
+        return (self.tokens(x) + self.other(shared)).sum((1, 2))
+
+
+@pytest.mark.parametrize("kind", ["fast", "vmap"])
+def test_one_examples_data_shared_with_the_batch_is_refused(kind) -> None:
+    model = SliceOrGiven(slice_first=True)
+    engine = make_engine(model, kind)
+    with pytest.raises(ValueError, match="slice of the model's input"):
+        model(torch.randint(0, 10, (3, 6)), torch.arange(6)[None])
+    engine.detach()
+
+
+@pytest.mark.parametrize("kind", ["fast", "vmap"])
+def test_position_ids_passed_by_the_caller_are_shared(kind) -> None:
+    model = SliceOrGiven(slice_first=False)
+    engine = make_engine(model, kind)
+    model(torch.randint(0, 10, (3, 6)), torch.arange(6)[None]).sum().backward()
+    assert engine.clip_and_accumulate(1.0).num_examples == 3
+    engine.detach()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["BatchBroadcast", "mark", "shares_batch"]
+__all__ = ["BatchBroadcast", "mark", "shares_batch", "tensors_in"]
 
 _BINARY = (
     "add",
@@ -79,16 +79,16 @@ _CAST_FUNCS = _functions(_CASTS)
 _READ_FUNCS = _functions(_READS)
 
 
-def _tensors(value: Any) -> Iterator[Tensor]:
+def tensors_in(value: Any) -> Iterator[Tensor]:
     """Every tensor in a call's arguments (nested tuples, lists and dicts included)."""
     if isinstance(value, Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 def _shape_without_dpfy(x: Tensor) -> tuple[int, ...]:
@@ -113,7 +113,7 @@ class BatchBroadcast(Tensor):
         kwargs = kwargs or {}
         if func in _READ_FUNCS or getattr(func, "__name__", "") == "__get__":
             return super().__torch_function__(func, types, args, kwargs)
-        tensors = list(_tensors((args, kwargs)))
+        tensors = list(tensors_in((args, kwargs)))
         marked = [t for t in tensors if isinstance(t, BatchBroadcast)]
         layer = marked[0].dpfy_layer if marked else "?"
         if func in _CAST_FUNCS:
