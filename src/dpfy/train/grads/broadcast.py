@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["BatchBroadcast", "mark", "shares_batch", "tensors_in"]
+__all__ = ["BatchBroadcast", "SharedInputs", "expand_output", "mark", "shares_batch", "tensors_in"]
 
 _BINARY = (
     "add",
@@ -162,3 +162,67 @@ def shares_batch(x: Any, batch: int) -> Any:
     if isinstance(x, Tensor) and x.dim() >= 1 and x.shape[0] == 1:
         return x.expand(batch, *x.shape[1:])
     return x
+
+
+def expand_output(x: Tensor, *, batch: int, layer: str) -> Tensor:
+    """An output tensor of a shared-input call, expanded and marked (if it needs a gradient)."""
+    return mark(shares_batch(x, batch), layer) if x.requires_grad else x
+
+
+def _storage(x: Tensor) -> int:
+    """Where a tensor's data lives (shared by its views and slices; 0 for no data)."""
+    return x.untyped_storage().data_ptr()
+
+
+class SharedInputs:
+    """Tells, during one forward pass, which layer calls take an input the batch shares."""
+
+    def __init__(self) -> None:
+        self._batch: int | None = None  # batch size of this forward's calls (other than 1)
+        self._root_batch: int | None = None  # batch size of the model's own first input
+        self._root_data: frozenset[int] | None = None  # storages of its inputs holding the batch
+
+    def reset(self) -> None:
+        """Forget the last forward pass."""
+        self._batch = self._root_batch = self._root_data = None
+
+    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model's forward begins: its first input tells the batch size."""
+        self.reset()
+        given = list(tensors_in((args, kwargs)))
+        if given and given[0].dim() >= 1:
+            self._root_batch = given[0].shape[0]
+        batch = self._root_batch  # the inputs holding the batch (not shared ones, of size 1)
+        held = [x for x in given if batch != 1 and x.dim() >= 1 and x.shape[0] == batch]
+        self._root_data = frozenset(_storage(x) for x in held) - {0}
+
+    def batch_for(self, layer: str, args: tuple[Any, ...], outputs: list[Tensor]) -> int | None:
+        """The batch size to expand a call of batch size 1 to (None: it is no broadcast).
+
+        A call whose first input has batch size 1 while this forward's other calls (or, before
+        any, the model's first input) have B ≠ 1 shares that input across the batch, provided
+        each of its outputs needing a gradient has batch size 1 too, and the model's forward
+        was seen to begin. An input that is a slice of the model's own inputs (one example's
+        data, reaching every example's loss) is refused: no clipping can bound that.
+        """
+        first = args[0] if args else None
+        if not isinstance(first, Tensor) or first.dim() == 0:
+            return None
+        size = first.shape[0]
+        if size != 1:
+            if self._batch is None:
+                self._batch = size
+            return None
+        batch = self._batch if self._batch is not None else self._root_batch
+        if batch is None or batch == 1:  # an empty batch (0) expands too: it is still a step
+            return None
+        if self._root_data is None or any(out.dim() == 0 or out.shape[0] != 1 for out in outputs):
+            return None
+        if any(_storage(x) in self._root_data for x in args if isinstance(x, Tensor)):
+            raise ValueError(
+                f"layer '{layer}' was called on a batch-size-1 slice of the model's input while "
+                f"the batch holds {batch} examples: one example's data then reaches every "
+                "example's loss, which per-example clipping cannot bound. Give each example its "
+                "own input (or pass an input that no example's data is part of)"
+            )
+        return batch

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from dpfy.train.grads.broadcast import mark, shares_batch, tensors_in
+from dpfy.train.grads.broadcast import SharedInputs, expand_output, shares_batch
 from dpfy.train.grads.precision import autocast_dtype
 
 __all__ = ["Call", "Tap", "Taps", "output_tensors", "release"]
@@ -122,10 +122,7 @@ class Taps:
         self.taps = taps
         self.active = True
         # Batch-first models only: a call of batch size 1 among larger ones is then a broadcast.
-        self.broadcast = batch_first
-        self._batch: int | None = None  # batch size of this forward's calls (other than 1)
-        self._root_batch: int | None = None  # batch size of the model's own first input
-        self._root_data: frozenset[int] | None = None  # storages of the model's inputs
+        self.shared = SharedInputs() if batch_first else None
         self.on_ready = on_ready  # called in backward once a one-output call has its gradient
         self.on_start = on_start  # called at the first watched forward call after a clear()
         self.stamp: Callable[[], int | None] | None = None  # which loader batch is in hand
@@ -164,50 +161,14 @@ class Taps:
         for tap in self.taps:
             release(tap)
         self._fresh = True
-        self._batch = self._root_batch = self._root_data = None
+        if self.shared is not None:
+            self.shared.reset()
 
     def _root(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The model's forward begins: a step starts, and its first input tells the batch size."""
+        """The model's forward begins: a step starts, and its inputs tell the batch size."""
         self._begin()
-        self._batch = self._root_batch = self._root_data = None
-        if self.broadcast and self.active:
-            given = list(tensors_in((args, kwargs)))
-            if given and given[0].dim() >= 1:
-                self._root_batch = given[0].shape[0]
-            batch = self._root_batch  # the inputs holding the batch (not shared ones, of size 1)
-            held = [x for x in given if batch != 1 and x.dim() >= 1 and x.shape[0] == batch]
-            self._root_data = frozenset(_storage(x) for x in held) - {0}
-
-    def _batch_of(self, layer: str, args: tuple[Any, ...], outputs: list[Tensor]) -> int | None:
-        """The batch size to expand a call of batch size 1 to (None: it is no broadcast).
-
-        A call whose first input has batch size 1 while this forward's other calls (or, before
-        any, the model's first input) have B ≠ 1 shares that input across the batch, provided
-        each of its outputs needing a gradient has batch size 1 too, and the model's forward
-        was seen to begin. An input that is a slice of the model's own inputs (one example's
-        data, reaching every example's loss) is refused: no clipping can bound that.
-        """
-        first = args[0] if args else None
-        if not isinstance(first, Tensor) or first.dim() == 0:
-            return None
-        size = first.shape[0]
-        if size != 1:
-            if self._batch is None:
-                self._batch = size
-            return None
-        batch = self._batch if self._batch is not None else self._root_batch
-        if batch is None or batch == 1:  # an empty batch (0) expands too: it is still a step
-            return None
-        if self._root_data is None or any(out.dim() == 0 or out.shape[0] != 1 for out in outputs):
-            return None
-        if any(_storage(x) in self._root_data for x in args if isinstance(x, Tensor)):
-            raise ValueError(
-                f"layer '{layer}' was called on a batch-size-1 slice of the model's input while "
-                f"the batch holds {batch} examples: one example's data then reaches every "
-                "example's loss, which per-example clipping cannot bound. Give each example its "
-                "own input (or pass an input that no example's data is part of)"
-            )
-        return batch
+        if self.shared is not None and self.active:
+            self.shared.begin(args, kwargs)
 
     def _pre(self, tap: Tap, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Stop autograd computing this layer's ordinary parameter gradient (wasted work).
@@ -266,9 +227,9 @@ class Taps:
             if not index:
                 return None
             outputs = [every[j] for j in index]
-        batch = self._batch_of(tap.name, args, outputs) if self.broadcast else None
+        batch = None if self.shared is None else self.shared.batch_for(tap.name, args, outputs)
         if batch is not None:  # an input every example shares: give the output the batch
-            output = _expand_outputs(output, batch, tap.name)
+            output = _map_tensors(output, partial(expand_output, batch=batch, layer=tap.name))
             outputs = [t for t in output_tensors(output) if t.requires_grad]
             args = tuple(shares_batch(x, batch) for x in args)
             reroot = True  # the output was replaced
@@ -330,11 +291,6 @@ class _Reroot(torch.autograd.Function):
 _ANCHOR = torch.empty(0, requires_grad=True)  # the input that makes _Reroot outputs need grad
 
 
-def _storage(x: Tensor) -> int:
-    """Where a tensor's data lives (shared by its views and slices; 0 for no data)."""
-    return x.untyped_storage().data_ptr()
-
-
 def _map_tensors(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     """A module output with ``fn`` applied to each tensor in it (tuples and lists rebuilt)."""
     if isinstance(output, Tensor):
@@ -348,13 +304,6 @@ def _map_tensors(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 def _reroot(output: Any) -> Any:
     """Floating output tensors re-rooted by ``_Reroot`` (same values and storage)."""
     return _map_tensors(output, lambda t: _Reroot.apply(_ANCHOR, t) if t.is_floating_point() else t)
-
-
-def _expand_outputs(output: Any, batch: int, layer: str) -> Any:
-    """Output tensors needing a gradient, expanded to ``batch`` and marked as broadcasts."""
-    return _map_tensors(
-        output, lambda t: mark(shares_batch(t, batch), layer) if t.requires_grad else t
-    )
 
 
 def release(tap: Tap) -> None:
