@@ -54,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--epsilons", type=float, nargs="+", default=[3.0, 8.0])
-    parser.add_argument("--seed", type=int, default=0, help="seeds sampling and noise")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="one set of runs per seed (spread)"
+    )
     parser.add_argument("--limit", type=int, default=None, help="examples per split (smoke)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     return parser.parse_args(argv)
@@ -67,6 +69,44 @@ def _record(path: Path, entry: dict[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
+def _runs(
+    prepared: Any,
+    config: FinetuneConfig,
+    epsilons: list[float],
+    out: Path,
+    common: dict[str, Any],
+    console: Console,
+) -> None:
+    """The non-private baseline and one DP run per ε at ``config.seed``, each recorded."""
+    common = {**common, "seed": config.seed}
+    t0 = time.perf_counter()
+    baseline = train_non_private(prepared, config)
+    seconds = time.perf_counter() - t0
+    print(f"seed {config.seed} non-private: {baseline:.4f} ({seconds:.0f} s)")
+    _record(out, {**common, "run": "non-private", "test_accuracy": baseline,
+                  "seconds": round(seconds, 1)})  # fmt: skip
+    for eps in epsilons:
+        run_config = replace(config, target_epsilon=eps)
+        t0 = time.perf_counter()
+        private = make_private_run(prepared, run_config)
+        history = train_private(private, prepared.test, console)
+        private.detach()
+        seconds = time.perf_counter() - t0
+        accuracy = history[-1]["test_accuracy"]
+        gap = baseline - accuracy
+        allowed = TARGET_GAP.get(eps)
+        shown = "—" if allowed is None else f"{100 * allowed:g}"
+        print(f"seed {config.seed} ε = {eps:g}: {accuracy:.4f} (gap {100 * gap:.2f} points; "
+              f"allowed {shown}) ({seconds:.0f} s)")  # fmt: skip
+        _record(out, {**common, "run": f"dp eps={eps:g}", "target_epsilon": eps,
+                      "epsilon": private.epsilon(), "delta": private.plan.delta,
+                      "noise_multiplier": private.noise_multiplier,
+                      "steps": private.plan.steps, "test_accuracy": accuracy,
+                      "non_private_accuracy": baseline, "gap_points": round(100 * gap, 2),
+                      "target_met": None if allowed is None else gap <= allowed,
+                      "history": history, "seconds": round(seconds, 1)})  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Prepare once, run non-private and every ε, print and record each run."""
     args = parse_args(argv)
@@ -74,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = FinetuneConfig(mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
-                            lr=args.lr, max_grad_norm=args.max_grad_norm, seed=args.seed,
+                            lr=args.lr, max_grad_norm=args.max_grad_norm, seed=args.seeds[0],
                             limit=args.limit, delta=1e-6)  # fmt: skip
     command = shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv])
     RESULTS.mkdir(exist_ok=True)
@@ -95,31 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "prepare_seconds": round(prepare_seconds, 1),
         "threads": torch.get_num_threads(),
     }
-    t0 = time.perf_counter()
-    baseline = train_non_private(prepared, config)
-    seconds = time.perf_counter() - t0
-    print(f"non-private: {baseline:.4f} ({seconds:.0f} s)")
-    _record(out, {**common, "run": "non-private", "test_accuracy": baseline,
-                  "seconds": round(seconds, 1)})  # fmt: skip
-    for eps in args.epsilons:
-        run_config = replace(config, target_epsilon=eps)
-        t0 = time.perf_counter()
-        private = make_private_run(prepared, run_config)
-        history = train_private(private, prepared.test, console)
-        private.detach()
-        seconds = time.perf_counter() - t0
-        accuracy = history[-1]["test_accuracy"]
-        gap = baseline - accuracy
-        allowed = TARGET_GAP.get(eps)
-        print(f"ε = {eps:g}: {accuracy:.4f} (gap {100 * gap:.2f} points; allowed "
-              f"{'—' if allowed is None else f'{100 * allowed:g}'}) ({seconds:.0f} s)")  # fmt: skip
-        _record(out, {**common, "run": f"dp eps={eps:g}", "target_epsilon": eps,
-                      "epsilon": private.epsilon(), "delta": private.plan.delta,
-                      "noise_multiplier": private.noise_multiplier,
-                      "steps": private.plan.steps, "test_accuracy": accuracy,
-                      "non_private_accuracy": baseline, "gap_points": round(100 * gap, 2),
-                      "target_met": None if allowed is None else gap <= allowed,
-                      "history": history, "seconds": round(seconds, 1)})  # fmt: skip
+    for seed in args.seeds:
+        _runs(prepared, replace(config, seed=seed), args.epsilons, out, common, console)
     return 0
 
 
