@@ -168,9 +168,8 @@ def named_modules() -> dict[str, set[str]]:
     for name, path in known.items():
         for node in _import_strings(ast.parse(path.read_text())):
             value = node.value if isinstance(node, ast.Constant) else None
-            if isinstance(value, str) and value in known and value.startswith("dpfy."):
-                if value != name:
-                    named.setdefault(name, set()).add(value)
+            if isinstance(value, str) and value in known and value not in {name, "dpfy"}:
+                named.setdefault(name, set()).add(value)
     return named
 
 

@@ -23,7 +23,7 @@ def _tune(tmp_path: Path, *args: str) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--model", "resnet"), r"unknown model 'resnet'; choose one of: .*mlp"),
+        (("--model", "resnet"), r"'resnet' is not one of .*mlp"),
         (("--batch-size", "0"), r"batch_size must be a whole number >= 1"),
         (("--delta", "1.5"), r"delta must lie in \(0, 1\)"),
         (("--delta", "0"), r"delta must lie in \(0, 1\)"),
@@ -67,3 +67,25 @@ def test_the_training_options_reach_the_trials_and_the_final_run(tmp_path: Path)
     facts = json.loads((tmp_path / "out" / "final" / "facts.json").read_text())
     assert facts["model"]["name"] == "logreg"
     assert facts["privacy"]["expected_batch_size"] == 64
+
+
+def test_the_tune_choice_names_are_the_registries_keys():
+    from dpfy.plan.accounting.events import TrialDistribution
+    from dpfy.tune.config import SEARCHES
+    from dpfy.tune.cost import TUNING_METHODS
+    from dpfy.tune.names import DISTRIBUTION_NAMES, SEARCH_NAMES, TUNING_METHOD_NAMES
+
+    assert SEARCH_NAMES == tuple(SEARCHES)
+    assert TUNING_METHOD_NAMES == tuple(TUNING_METHODS)
+    assert DISTRIBUTION_NAMES == tuple(d.value for d in TrialDistribution)
+
+
+def test_tune_refuses_an_unknown_dataset_or_search_as_a_choice():
+    from typer.testing import CliRunner
+
+    from dpfy.cli.app import app
+
+    for option, value in (("--dataset", "digitz"), ("--search", "grid"), ("--model", "resnet")):
+        result = CliRunner().invoke(app, ["tune", option, value])
+        assert result.exit_code == 2
+        assert option in result.output and value in result.output

@@ -44,6 +44,7 @@ from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.plan.accounting.events import MAX_STEPS
 from dpfy.train.cpu_allocator import keep_freed_memory
+from dpfy.tune.names import DISTRIBUTION_NAMES, SEARCH_NAMES, TUNING_METHOD_NAMES
 
 USAGE_ERROR = 2
 #: The exit code of a run stopped by Ctrl-C (128 + SIGINT); dpfy.jobs.outcome uses the same.
@@ -274,6 +275,11 @@ DatasetChoice = _choices("DatasetChoice", DATASET_NAMES)
 ModelChoice = _choices("ModelChoice", MODEL_NAMES)
 EngineChoice = _choices("EngineChoice", ENGINE_NAMES)
 AlgorithmChoice = _choices("AlgorithmChoice", ALGORITHM_NAMES)
+SearchChoice = _choices("SearchChoice", SEARCH_NAMES)
+TuningMethodChoice = _choices("TuningMethodChoice", TUNING_METHOD_NAMES)
+DistributionChoice = _choices("DistributionChoice", DISTRIBUTION_NAMES)
+_SEARCH, _DISTRIBUTION = SearchChoice("clip"), DistributionChoice("poisson")
+_TUNE_MODEL = ModelChoice("mlp")
 _TRAIN = TrainConfig()
 _OPTIMIZER = OptimizerChoice(_TRAIN.optimizer)
 _DATASET, _MODEL = DatasetChoice(_TRAIN.dataset), ModelChoice(_TRAIN.model)
@@ -461,23 +467,23 @@ def report(
 
 @app.command()
 def tune(
-    dataset: Annotated[str, typer.Option(help="digits, fashion-mnist, …")] = "digits",
-    search: Annotated[str, typer.Option(help="clip (ClipSearch), lr-clip (grid) or random.")] = (
-        "clip"
-    ),
+    dataset: Annotated[DatasetChoice, typer.Option(help="Bundled dataset.")] = _DATASET,
+    search: Annotated[
+        SearchChoice, typer.Option(help="clip (ClipSearch), lr-clip (grid) or random.")
+    ] = _SEARCH,
     trials: Annotated[
         int, typer.Option(help="random: configs drawn; random-trials: mean number of runs.")
     ] = 5,
     tuning_accounting: Annotated[
-        str | None,
-        typer.Option(help="compose, exponential, random-trials or public (required)."),
+        TuningMethodChoice | None,
+        typer.Option(help="How the tuning's privacy cost is accounted (required)."),
     ] = None,
     public_data: Annotated[
         str | None, typer.Option(help="Declaration of the public tuning data (for public).")
     ] = None,
     distribution: Annotated[
-        str, typer.Option(help="random-trials: poisson, geometric, logarithmic, ….")
-    ] = "poisson",
+        DistributionChoice, typer.Option(help="random-trials: how the number of runs is drawn.")
+    ] = _DISTRIBUTION,
     clip_grid: Annotated[
         str, typer.Option(help="Grid of C, comma-separated (clip; lr-clip's C axis).")
     ] = "0.1,0.3,1,3,10",
@@ -496,7 +502,7 @@ def tune(
     delta: Annotated[
         float | None, typer.Option(help="δ; default: a power of ten at least 10× below 1/N.")
     ] = None,
-    model: Annotated[str, typer.Option(help="logreg, mlp or cnn (GroupNorm CNN).")] = "mlp",
+    model: Annotated[ModelChoice, typer.Option(help="Model to train.")] = _TUNE_MODEL,
     batch_size: Annotated[
         int, typer.Option(help="Expected batch size B (trials, final run).")
     ] = 128,
@@ -518,10 +524,11 @@ def tune(
 
     with _user_errors():
         tune_command(
-            dataset=dataset, search=search, trials=trials, accounting=tuning_accounting,
-            public_data=public_data, distribution=distribution, clip_grid=clip_grid,
+            dataset=dataset.value, search=search.value, trials=trials,
+            accounting=None if tuning_accounting is None else tuning_accounting.value,
+            public_data=public_data, distribution=distribution.value, clip_grid=clip_grid,
             lr_grid=lr_grid, tolerance=tolerance, target_epsilon=target_epsilon,
-            tuning_share=tuning_share, delta=delta, model=model, batch_size=batch_size,
+            tuning_share=tuning_share, delta=delta, model=model.value, batch_size=batch_size,
             max_grad_norm=max_grad_norm, epochs=epochs, trial_epochs=trial_epochs,
             optimizer=optimizer.value, lr=lr, out=_out_dir(out), seed=seed, data_dir=data_dir,
         )  # fmt: skip
