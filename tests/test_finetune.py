@@ -197,3 +197,14 @@ def test_an_unknown_mode_is_one_error_listing_the_modes() -> None:
         parse_mode("last")
     with pytest.raises(ValueError, match="more layers than the encoder has"):
         apply_mode(tiny_classifier(), parse_mode("last-3"))
+
+
+def test_a_model_directory_without_a_config_is_refused_naming_what_it_needs(
+    tmp_path: Path,
+) -> None:
+    from dpfy.train.pretrained import pretrained_source
+
+    with pytest.raises(ValueError, match=r"holds no config\.json"):
+        pretrained_source(model_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown pretrained model 'gpt9'"):
+        pretrained_source("gpt9")
