@@ -52,12 +52,12 @@ from dpfy.plan.accounting.events import (
     TreeAggregationEvent,
     tree_aggregation_reason,
 )
+from dpfy.plan.accounting.pld_compose import compose_directions
 from dpfy.plan.accounting.pld_discrete import (
     DEFAULT_PRECISION,
     SEARCH_PRECISION,
     DiscretePld,
     PldPrecision,
-    compose_directions,
 )
 from dpfy.plan.accounting.pld_pairs import (
     Direction,
@@ -66,17 +66,24 @@ from dpfy.plan.accounting.pld_pairs import (
     LikelihoodRatioPair,
     PureDpPair,
 )
+from dpfy.plan.accounting.pld_rounding import MANY_LEAVES, dominating_gaussians
 
 # ---------------------------------------------------------------------------------------------
 # Events → leaves
 # ---------------------------------------------------------------------------------------------
+#: Each leaf event's pair, as (pair class, its parameter from the event and the sensitivity).
 _PAIRS = {
-    GaussianEvent: lambda e, factor: GaussianPair(factor / e.noise_multiplier),
-    LaplaceEvent: lambda e, factor: LaplacePair(factor / e.noise_multiplier),
-    PureDpEvent: lambda e, factor: PureDpPair(e.epsilon),
+    GaussianEvent: (GaussianPair, lambda e, factor: factor / e.noise_multiplier),
+    LaplaceEvent: (LaplacePair, lambda e, factor: factor / e.noise_multiplier),
+    PureDpEvent: (PureDpPair, lambda e, factor: e.epsilon),
 }
 
 _RDP_ONLY = (RepeatAndSelectEvent, FixedSizeSampledEvent)
+
+_REPLACE_ONE_POISSON = (
+    "Poisson sampling is accounted under add-or-remove or zero-out adjacency; under "
+    "replace-one use fixed-size sampling (FixedSizeSampledEvent) with accountant='rdp'"
+)
 
 
 @dataclass(frozen=True)
@@ -87,34 +94,50 @@ class _Leaf:
     sampling_rate: float
 
 
+#: A leaf before its pair is built: (pair class, pair parameter, sampling rate). Flattening
+#: thousands of distinct steps into such tuples is cheap; pairs are made once per distinct key.
+_Key = tuple[type, float, float]
+
+
 class _Unsupported(Exception):
     """Internal: carries the reason an event cannot be accounted by PLD."""
 
 
 def _leaves(
-    event: DpEvent, relation: NeighbouringRelation, out: dict[_Leaf, int], times: int
+    event: DpEvent, relation: NeighbouringRelation, out: dict[_Key, int], times: int
 ) -> None:
-    """Flatten ``event`` into leaf → count, raising _Unsupported with a reason if impossible."""
-    if isinstance(event, NoOpEvent):
+    """Flatten ``event`` into leaf key → count, raising _Unsupported with a reason if impossible."""
+    kind = type(event)
+    if kind is PoissonSampledEvent and type(event.event) is GaussianEvent:  # DP-SGD: fast path
+        if relation is NeighbouringRelation.REPLACE_ONE:
+            raise _Unsupported(_REPLACE_ONE_POISSON)
+        key = (
+            GaussianPair,
+            relation.sensitivity_factor / event.event.noise_multiplier,
+            event.sampling_rate,
+        )
+        out[key] = out.get(key, 0) + times
+    elif isinstance(event, NoOpEvent):
         return
-    if isinstance(event, SelfComposedEvent):
+    elif isinstance(event, SelfComposedEvent):
         _leaves(event.event, relation, out, times * event.count)
     elif isinstance(event, ComposedEvent):
         for inner in event.events:
             _leaves(inner, relation, out, times)
     elif isinstance(event, PoissonSampledEvent):
-        leaf = _sampled_leaf(event, relation)
-        out[leaf] = out.get(leaf, 0) + times
+        key = _sampled_leaf(event, relation)
+        out[key] = out.get(key, 0) + times
     elif isinstance(event, TreeAggregationEvent):  # a Gaussian of noise σ/√depth (App. D)
         reason = tree_aggregation_reason(relation)
         if reason is not None:
             raise _Unsupported(reason)
         mu = relation.sensitivity_factor * math.sqrt(event.depth) / event.noise_multiplier
-        leaf = _Leaf(GaussianPair(mu), 1.0)
-        out[leaf] = out.get(leaf, 0) + times
-    elif type(event) in _PAIRS:
-        leaf = _Leaf(_PAIRS[type(event)](event, relation.sensitivity_factor), 1.0)
-        out[leaf] = out.get(leaf, 0) + times
+        key = (GaussianPair, mu, 1.0)
+        out[key] = out.get(key, 0) + times
+    elif kind in _PAIRS:
+        pair, parameter = _PAIRS[kind]
+        key = (pair, parameter(event, relation.sensitivity_factor), 1.0)
+        out[key] = out.get(key, 0) + times
     elif isinstance(event, _RDP_ONLY):
         raise _Unsupported(
             f"the PLD accountant has no bound for {type(event).__name__}; "
@@ -124,13 +147,10 @@ def _leaves(
         raise _Unsupported(f"the PLD accountant does not know {type(event).__name__}")
 
 
-def _sampled_leaf(event: PoissonSampledEvent, relation: NeighbouringRelation) -> _Leaf:
+def _sampled_leaf(event: PoissonSampledEvent, relation: NeighbouringRelation) -> _Key:
     """Collapse nested Poisson sampling into one rate and check the inner mechanism is a leaf."""
     if relation is NeighbouringRelation.REPLACE_ONE:
-        raise _Unsupported(
-            "Poisson sampling is accounted under add-or-remove or zero-out adjacency; under "
-            "replace-one use fixed-size sampling (FixedSizeSampledEvent) with accountant='rdp'"
-        )
+        raise _Unsupported(_REPLACE_ONE_POISSON)
     rate, inner = event.sampling_rate, event.event
     while isinstance(inner, PoissonSampledEvent):
         rate, inner = rate * inner.sampling_rate, inner.event
@@ -139,7 +159,13 @@ def _sampled_leaf(event: PoissonSampledEvent, relation: NeighbouringRelation) ->
             f"the PLD accountant supports Poisson sampling of Gaussian, Laplace or pure-DP "
             f"mechanisms, not of {type(inner).__name__}"
         )
-    return _Leaf(_PAIRS[type(inner)](inner, relation.sensitivity_factor), rate)
+    pair, parameter = _PAIRS[type(inner)]
+    return (pair, parameter(inner, relation.sensitivity_factor), rate)
+
+
+def _leaf_counts(keys: dict[_Key, int]) -> dict[_Leaf, int]:
+    """Distinct leaf keys → leaves, each pair made once."""
+    return {_Leaf(pair(parameter), rate): n for (pair, parameter, rate), n in keys.items()}
 
 
 @register_accountant
@@ -162,6 +188,9 @@ class PldAccountant(Accountant):
         return PldAccountant(self.relation, SEARCH_PRECISION)
 
     def unsupported_reason(self, event: DpEvent) -> str | None:
+        if type(event) is PoissonSampledEvent and type(event.event) is GaussianEvent:
+            replace = self.relation is NeighbouringRelation.REPLACE_ONE
+            return _REPLACE_ONE_POISSON if replace else None  # DP-SGD steps: fast path
         try:
             _leaves(event, self.relation, {}, 1)
         except _Unsupported as err:
@@ -174,10 +203,10 @@ class PldAccountant(Accountant):
     def composed(self) -> tuple[DiscretePld, ...]:
         """The composed discrete PLD of each direction (removal first), computed once."""
         if self._cache is None:
-            leaves: dict[_Leaf, int] = {}
+            keys: dict[_Key, int] = {}
             for event, count in self._composed:
-                _leaves(event, self.relation, leaves, count)
-            self._cache = tuple(_compose_leaves(leaves, self.precision))
+                _leaves(event, self.relation, keys, count)
+            self._cache = tuple(_compose_leaves(keys, self.precision))
         return self._cache
 
     def _epsilon(self, delta: float) -> float:
@@ -187,8 +216,23 @@ class PldAccountant(Accountant):
         return max(pld.delta(epsilon) for pld in self.composed())
 
 
-def _compose_leaves(leaves: dict[_Leaf, int], precision: PldPrecision) -> list[DiscretePld]:
+def _rounded(keys: dict[_Key, int], precision: PldPrecision) -> dict[_Key, int]:
+    """Many distinct Gaussian leaves replaced by fewer dominating ones (pld_rounding)."""
+    if not precision.round_always and len(keys) <= MANY_LEAVES:
+        return keys
+    out = {key: n for key, n in keys.items() if key[0] is not GaussianPair}
+    gaussian = {(key[1], key[2]): n for key, n in keys.items() if key[0] is GaussianPair}
+    rounded = dominating_gaussians(
+        gaussian, precision.rounding_resolution, always=precision.round_always
+    )
+    for (mu, q), n in rounded.items():
+        out[(GaussianPair, mu, q)] = out.get((GaussianPair, mu, q), 0) + n
+    return out
+
+
+def _compose_leaves(keys: dict[_Key, int], precision: PldPrecision) -> list[DiscretePld]:
     """Both directions' composed PLDs; one suffices when nothing is subsampled (symmetric pairs)."""
+    leaves = _leaf_counts(_rounded(keys, precision))
     if not leaves:
         return [DiscretePld(1.0, 0, np.ones(1), 0.0)]
     directions = [True]

@@ -119,7 +119,7 @@ class _Split:
                     self.q, self.sigma, self.orders[todo], top_order=float(self.orders.max())
                 )
                 with np.errstate(invalid="ignore"):  # 0·∞ cannot occur: counts are ≥ 1
-                    self.rows[todo] = self.counts @ curves
+                    self.rows[todo] = np.einsum("r,ro->o", self.counts, curves)
             else:
                 self.rows[todo] = 0.0
         return self.rows[indices]

@@ -228,7 +228,7 @@ def _series_part(
         * np.expm1((_SERIES_TERMS[None, :] - 1) * np.log(alphas)[:, None])
         / special.factorial(_SERIES_TERMS)[None, :]
     )
-    return moments @ coefficients.T
+    return np.einsum("rn,on->ro", moments, coefficients)
 
 
 def _direct_part(

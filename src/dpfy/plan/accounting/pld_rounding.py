@@ -1,0 +1,66 @@
+"""Many distinct sampled Gaussians, composed as fewer dominating ones: a pessimistic coarsening.
+
+A run whose σ or q changes every step has as many distinct leaves as steps, and each distinct
+leaf costs one FFT over the whole composed window. Beyond ``MANY_LEAVES`` of them, each leaf is
+replaced by one that dominates it, on a fixed geometric grid:
+
+* the sampling rate is rounded *up* (q' ≥ q): the pair at rate q is the pair at rate q'
+  post-processed by keeping each sampled record with probability q/q' (Balle, Barthe & Gaboardi
+  2018, "Privacy amplification by subsampling"), in both directions of add-or-remove;
+* the Gaussian's μ = sensitivity/σ is rounded *up* (σ' ≤ σ): N(μ, 1) vs N(0, 1) is the pair at
+  μ' post-processed by scaling and adding independent noise.
+
+Each rounded leaf dominates its original, and composition preserves domination (Zhu, Dong &
+Wang 2022, Thm. 10), so ε stays an upper bound; it grows by about half a grid step times the
+elasticity of ε in that parameter. A coordinate that takes few distinct values (a fixed q with
+a σ schedule, say) is left exact. Unsampled Gaussians compose exactly into one Gaussian with
+μ² summed (their PLDs are Gaussian), so they are merged rather than rounded.
+
+The grid is fixed (powers of 1 + resolution, the same for every composition), so a leaf's
+rounding never depends on what else was composed; ``always`` rounds every coordinate, which
+dominates every other choice and is what a budget guard plans with.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Up to this many distinct leaves are composed exactly.
+MANY_LEAVES = 64
+#: A coordinate with at most this many distinct values is never rounded.
+FEW_VALUES = 16
+#: Values within this relative distance of a grid point round to it (floating-point slack).
+_ON_GRID = 1e-9
+
+
+def round_up(value: float, resolution: float) -> float:
+    """The smallest grid point (1 + resolution)^k that is ≥ value."""
+    step = math.log1p(resolution)
+    k = math.ceil(math.log(value) / step - _ON_GRID)
+    return math.exp(k * step)
+
+
+def dominating_gaussians(
+    leaves: dict[tuple[float, float], int], resolution: float, *, always: bool = False
+) -> dict[tuple[float, float], int]:
+    """Sampled-Gaussian leaves (μ, q) → count, rounded up where they are many (see module).
+
+    Unsampled ones (q = 1) are merged into one leaf of μ = √(Σ count·μ²) and count 1.
+    """
+    if not always and len(leaves) <= MANY_LEAVES:
+        return dict(leaves)
+    sampled = {key: n for key, n in leaves.items() if key[1] < 1.0}
+    plain = sum(n * key[0] ** 2 for key, n in leaves.items() if key[1] >= 1.0)
+    round_mu = always or len({mu for mu, _ in sampled}) > FEW_VALUES
+    round_q = always or len({q for _, q in sampled}) > FEW_VALUES
+    out: dict[tuple[float, float], int] = {}
+    for (mu, q), n in sampled.items():
+        key = (
+            round_up(mu, resolution) if round_mu else mu,
+            min(1.0, round_up(q, resolution)) if round_q else q,
+        )
+        out[key] = out.get(key, 0) + n
+    if plain:
+        key = (math.sqrt(plain), 1.0)
+        out[key] = out.get(key, 0) + 1
+    return out
