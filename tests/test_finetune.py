@@ -27,7 +27,7 @@ from dpfy.jobs.finetune_setup import prepare_classifier
 from dpfy.train.feature_cache import CachedTop, cache_features
 from dpfy.train.finetune_modes import apply_mode, parse_mode
 from dpfy.train.grads import make_engine
-from dpfy.train.lora import LoRALinear
+from dpfy.train.lora import is_adapter
 from dpfy.train.pretrained import PretrainedSource, SequenceClassifier
 
 WORDS = ["good", "great", "fine", "fun", "bad", "dull", "awful", "slow", "the", "film", "a"]
@@ -130,7 +130,7 @@ def test_lora_starts_at_the_pretrained_model_and_trains_only_adapters_and_head()
     before = model(ids, mask)
     apply_mode(model, parse_mode("lora", rank=2))
     assert torch.allclose(model(ids, mask), before, atol=1e-6)  # B starts at zero
-    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    adapters = [m for m in model.modules() if is_adapter(m)]
     assert len(adapters) == 4  # query and value of two layers
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert names and all("lora_" in n or n.startswith("head.") for n in names)

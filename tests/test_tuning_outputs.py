@@ -38,8 +38,8 @@ def _tune(tmp_path: Path, *args: str) -> tuple[int, str]:
         ),
         (("--tuning-accounting", "compose", "--tolerance", "0"), r"tolerance must lie in \(0, 1\)"),
         (("--tuning-accounting", "public"), "needs --public-data"),
-        (("--tuning-accounting", "guess"), "unknown tuning accounting method"),
-        (("--tuning-accounting", "compose", "--search", "grid"), "search must be one of"),
+        (("--tuning-accounting", "guess"), "'guess' is not one of 'compose'"),
+        (("--tuning-accounting", "compose", "--search", "grid"), "'grid' is not one of 'clip'"),
         (
             ("--tuning-accounting", "random-trials", "--distribution=geometric", "--trials=1"),
             "random-trials: mean must lie in.*raise --trials",

@@ -26,6 +26,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from dpfy import __version__
+from dpfy.cli.finetune_command import finetune
 from dpfy.cli.train_output import PITFALL_EXIT
 from dpfy.federated.config import SERVER_OPTIMIZER_NAMES, FederatedConfig
 from dpfy.jobs.config import (
@@ -595,6 +596,9 @@ def federated(
             target_epsilon=target_epsilon, delta=delta, seed=seed, out=_out_dir(out),
             data_dir=data_dir,
         )  # fmt: skip
+
+
+app.command(name="finetune")(finetune)
 
 
 def main() -> None:

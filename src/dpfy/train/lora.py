@@ -1,42 +1,22 @@
-"""Low-rank adapters (LoRA, Hu et al. 2021) on a frozen pretrained model's linear layers.
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a frozen pretrained model, through ``peft``.
 
-A chosen ``nn.Linear`` W becomes ``W x + (α/r) · B A x`` with W frozen (public pretrained values)
-and only the rank-r factors A (r × in) and B (out × r) trained; B starts at zero, so the adapted
-model starts exactly at the pretrained one. Few trainable values mean little noise to add, which
-is why DP fine-tuning favours adapters (Yu et al. 2022). A and B are plain ``nn.Linear`` layers,
-so the fast clipping engine computes their per-example norms like any other linear layer.
+A chosen linear layer W becomes ``W x + (α/r) · B A x`` with W frozen (public pretrained values)
+and only the rank-r factors A and B trained; B starts at zero, so the adapted model starts exactly
+at the pretrained one. Few trainable values mean little noise to add, which is why DP fine-tuning
+favours adapters (Yu et al. 2022). peft's A and B are plain ``nn.Linear`` layers, so the fast
+clipping engine computes their per-example norms like any other linear layer.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
-__all__ = ["DEFAULT_TARGETS", "LoRALinear", "add_lora"]
+__all__ = ["DEFAULT_TARGETS", "add_lora", "is_adapter"]
 
 #: BERT-style attention projections adapted by default (Hu et al. 2021 adapt the query and value).
 DEFAULT_TARGETS = ("query", "value")
-
-
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update ``(α/r) · B A``."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
-        super().__init__()
-        self.base = base
-        for parameter in base.parameters():
-            parameter.requires_grad_(False)
-        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
-        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
-        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b.weight)
-        self.scale = alpha / rank
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale
 
 
 def add_lora(
@@ -45,21 +25,32 @@ def add_lora(
     alpha: float = 16.0,
     targets: Sequence[str] = DEFAULT_TARGETS,
 ) -> list[str]:
-    """Wrap every ``nn.Linear`` whose attribute name is in ``targets``; returns their paths.
+    """Adapt every linear layer whose attribute name is in ``targets``; returns their paths.
 
-    The adapters are created from the current torch seed (a public seed: they hold no data).
+    Everything else in ``model`` is frozen. The adapters are created from the current torch seed
+    (a public seed: they hold no data); no dropout, so a step's gradient is a function of its batch.
     """
-    if rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank must be a whole number >= 1, got {rank!r}")
-    wrapped = []
-    for path, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            if name in targets and isinstance(child, nn.Linear):
-                setattr(module, name, LoRALinear(child, rank, alpha))
-                wrapped.append(f"{path}.{name}" if path else name)
-    if not wrapped:
+    present = [
+        path
+        for path, module in model.named_modules()
+        if path.rpartition(".")[2] in targets and isinstance(module, nn.Linear)
+    ]
+    if not present:
         raise ValueError(
             f"no nn.Linear layer named {', '.join(targets)} found for LoRA; this model's "
             "attention projections have other names: choose another mode (last-N, full, head)"
         )
-    return wrapped
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets))
+    inject_adapter_in_model(config, model)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_("lora_" in name)
+    return present
+
+
+def is_adapter(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer peft adapted (it holds LoRA factors)."""
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
