@@ -39,6 +39,14 @@ from dpfy.plan.accounting.events import (
     SelfComposedEvent,
 )
 from dpfy.plan.sampling import SamplingRecord
+from dpfy.train.budget_guard import (
+    FIRST_GUESS,
+    MARGIN,
+    Certificate,
+    ceiling_for,
+    certified_room,
+    sampled_gaussian,
+)
 from dpfy.train.ledger_codec import (
     LEDGER_FORMAT,
     LEDGER_VERSION,
@@ -87,10 +95,15 @@ class _Entry:
 
 @dataclass
 class _Headroom:
-    """Cached answer to "how many more steps like ``step`` fit the target from here"."""
+    """Cached answer to "how many more steps like ``step`` fit the target from here".
+
+    ``exact``: the room is the largest that fits (0 then means refuse); otherwise it is only
+    known to fit (0 then means ask again).
+    """
 
     step: StepRecord
     room: int
+    exact: bool = True
 
 
 class PrivacyLedger:
@@ -122,6 +135,11 @@ class PrivacyLedger:
         self._checked_events: set[DpEvent] = set()
         self._epsilon_cache: dict[tuple[str | None, bool, float], float] = {}
         self._headroom: _Headroom | None = None
+        self._certificate: Certificate | None = None
+        self._certificate_guess = FIRST_GUESS
+        self._near_limit = False
+        #: The accountant's running state, if it keeps one (additive accountants: RDP).
+        self._running = self._probe.running()
         self._warned_assumption = False
         #: The run this ledger accounts (set by make_private), so a checkpoint's ledger and
         #: sampler state can be checked to belong together.
@@ -146,6 +164,7 @@ class PrivacyLedger:
             self._headroom.room -= 1  # exactly one of the counted steps is now spent
         elif not isinstance(event, NoOpEvent):  # a no-op adds nothing: the count stays exact
             self._headroom = None
+        self._spend_certificate(event)
         if not step.sampling.assumption_met and not self._warned_assumption:
             self._warned_assumption = True
             warnings.warn(
@@ -174,6 +193,7 @@ class PrivacyLedger:
         self._check_supported(event)
         self._append(label.strip(), event, count, None)
         self._headroom = None
+        self._certificate = None
 
     def _append(self, label: str, event: DpEvent, count: int, step: StepRecord | None) -> None:
         """Extend the last run if identical, else start a new one; drop cached ε."""
@@ -183,6 +203,8 @@ class PrivacyLedger:
         else:
             self._entries.append(_Entry(label, event, count, step))
         self._epsilon_cache.clear()
+        if self._running is not None:
+            self._running.add(event, count)
 
     def _validate_step(
         self, step: StepRecord, relation: NeighbouringRelation | str | None
@@ -237,14 +259,98 @@ class PrivacyLedger:
 
         Call it before the step changes the model; it changes nothing. Cheap: the number of
         steps like ``step`` that still fit is searched once (see :meth:`remaining_steps`) and
-        counted down by :meth:`record`, so the accountant is asked again only when the kind of
-        step changes or something else is recorded.
+        counted down by :meth:`record`; when steps differ from one to the next (σ or q
+        schedules), a certificate covers a whole range of them (:mod:`dpfy.train.budget_guard`),
+        and within a small margin of the target each step is checked with the accountant. An
+        accountant whose events add exactly (RDP) keeps a running state instead, and each step is
+        one conversion of it; only a tie within rounding of the target asks a fresh accountant.
         """
         event = self._validate_step(step, relation)
         if self.target_epsilon is None or isinstance(event, NoOpEvent):
             return  # a step that releases nothing cannot take ε past any target
+        if self._running is not None:  # ε with this step, from the running state: one conversion
+            value = self._running.epsilon_with(event, 1, self.delta)
+            tie = self.target_epsilon * self._running.tie  # rounding against a fresh accountant
+            if value <= self.target_epsilon - tie:
+                return
+            if value > self.target_epsilon + tie:
+                raise BudgetExhausted(
+                    self.epsilon(), self.target_epsilon, self.delta, step.describe()
+                )
+        headroom = self._headroom
+        if headroom is not None and headroom.step == step and (headroom.exact or headroom.room):
+            if headroom.room >= 1:
+                return
+            raise BudgetExhausted(self.epsilon(), self.target_epsilon, self.delta, step.describe())
+        certificate = self._certificate
+        if certificate is not None and certificate.room >= 1 and certificate.covers(event):
+            return
+        last = self._last_step()
+        if last is not None and last != step and sampled_gaussian(event) is not None:
+            if self._fits_by_certificate(event) or self._fits_alone(step, event):
+                return
+            raise BudgetExhausted(self.epsilon(), self.target_epsilon, self.delta, step.describe())
         if self._room(step, event) < 1:
             raise BudgetExhausted(self.epsilon(), self.target_epsilon, self.delta, step.describe())
+
+    def _last_step(self) -> StepRecord | None:
+        """The most recent training step recorded, if any."""
+        return next((e.step for e in reversed(self._entries) if e.step is not None), None)
+
+    def _fits_by_certificate(self, event: DpEvent) -> bool:
+        """Try to cover ``event`` with a new certificate (budget_guard); False near the limit.
+
+        Invariant, why a certificate is safe: it was made when the ledger was L₀, and the bound
+        variant of the accountant verified ε(L₀ + m × s*) ≤ target·(1 − MARGIN) for its ceiling
+        s* and room m. Each :meth:`record` of a step it covers lowers m by one and anything else
+        (another step, a labelled event, a load) drops it, so while it holds the ledger is L₀
+        plus at most m steps each dominated by s*, whose ε is at most the verified one: domination
+        survives composition, the bound variant is at least the accountant on every composition
+        it dominates, and unvaried coordinates are pinned so the accountant's coarsening of many
+        steps cannot change. Noise between such ε (discretisation) is far below the margin.
+        """
+        if self._near_limit:
+            return False
+        certificate = ceiling_for(event, (e.event for e in self._entries))
+        if certificate is None:
+            return False
+        base = self._event_counts(None, poisson=False)
+        ceiling, limit = certificate.ceiling, self.target_epsilon * (1 - MARGIN)
+
+        def fits(m: int) -> bool:
+            counts = dict(base)
+            counts[ceiling] = counts.get(ceiling, 0) + m
+            return self._compose(counts, bound=True).epsilon(self.delta) <= limit
+
+        certificate.room = certified_room(fits, self._certificate_guess)
+        if certificate.room < 1:
+            self._near_limit = True  # ε only grows: from here on each step is checked alone
+            return False
+        self._certificate = certificate
+        return True
+
+    def _fits_alone(self, step: StepRecord, event: DpEvent) -> bool:
+        """One accountant query: does the ledger plus this one step stay within the target?"""
+        counts = self._event_counts(None, poisson=False)
+        counts[event] = counts.get(event, 0) + 1
+        if self._compose(counts).epsilon(self.delta) > self.target_epsilon:
+            return False
+        self._headroom = _Headroom(step, 1, exact=False)
+        return True
+
+    def _spend_certificate(self, event: DpEvent) -> None:
+        """A recorded step spends one unit of the certificate covering it, or ends it."""
+        certificate = self._certificate
+        if certificate is None or isinstance(event, NoOpEvent):
+            return
+        if certificate.room >= 1 and certificate.covers(event):
+            certificate.room -= 1
+            certificate.used += 1
+            if certificate.room == 0:  # used up: the next one may cover more of the run
+                self._certificate_guess = max(FIRST_GUESS, 2 * certificate.used)
+        else:  # the run left the ceiling's range: size the next one by what this one covered
+            self._certificate_guess = max(FIRST_GUESS, 2 * certificate.used)
+            self._certificate = None
 
     def remaining_steps(self, step: StepRecord) -> int:
         """How many more steps like ``step`` keep the total ε within the target (capped at 2³⁰).
@@ -265,7 +371,8 @@ class PrivacyLedger:
 
     def _room(self, step: StepRecord, event: DpEvent) -> int:
         """The cached headroom for ``step`` (its realised batch size takes no part in equality)."""
-        if self._headroom is None or self._headroom.step != step:
+        cached = self._headroom
+        if cached is None or cached.step != step or not cached.exact:
             self._headroom = _Headroom(step, self._search_room(event))
         return max(self._headroom.room, 0)
 
@@ -368,11 +475,16 @@ class PrivacyLedger:
             counts[event] = counts.get(event, 0) + entry.count
         return counts
 
-    def _compose(self, counts: dict[DpEvent, int], *, search: bool = False) -> Accountant:
-        """A fresh accountant holding ``counts`` (its fast search variant if ``search``)."""
+    def _compose(
+        self, counts: dict[DpEvent, int], *, search: bool = False, bound: bool = False
+    ) -> Accountant:
+        """A fresh accountant holding ``counts`` (its fast search variant if ``search``, its
+        bound variant — what the budget guard plans with — if ``bound``)."""
         accountant = _new_accountant(self.accountant, self.relation)
         if search:
             accountant = accountant.for_search()
+        elif bound:
+            accountant = accountant.for_bound()
         for event, count in counts.items():
             accountant.compose(event, count)
         return accountant
@@ -485,8 +597,12 @@ class PrivacyLedger:
         self._checked_events = loaded._checked_events
         self._warned_assumption = loaded._warned_assumption
         self.run_id = loaded.run_id
+        self._running = loaded._running
         self._epsilon_cache = {}
         self._headroom = None
+        self._certificate = None
+        self._certificate_guess = FIRST_GUESS
+        self._near_limit = False
 
     def __repr__(self) -> str:
         return (

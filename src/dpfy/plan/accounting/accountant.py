@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from dpfy._validate import check_count, check_delta, check_range
 from dpfy.plan.accounting.events import (
@@ -76,6 +76,23 @@ class Accountant(abc.ABC):
     def for_search(self) -> Accountant:
         """An empty accountant of this kind tuned for speed in root finding (still sound)."""
         return type(self)(self.relation)
+
+    def for_bound(self) -> Accountant:
+        """An empty accountant of this kind whose ε, for any composition, is at least this one's
+        for every composition it dominates event by event (up to discretisation noise).
+
+        What a budget guard plans ahead with: this accountant's ε grows with each event's cost
+        (exact accountants are their own bound); one that coarsens many events says how.
+        """
+        return type(self)(self.relation)
+
+    def running(self) -> Any:
+        """A running state that adds events one at a time and answers "ε with one more event"
+        cheaply (``add(event, count)``, ``epsilon_with(event, count, delta)``, and ``tie``: the
+        relative distance from a target within which its answer may differ from a fresh
+        accountant's by rounding), or None if this accountant keeps none (only accountants whose
+        events add exactly can)."""
+        return None
 
     def _invalidate(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Drop cached results after the composition changed (subclasses override)."""

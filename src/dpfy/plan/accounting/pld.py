@@ -31,6 +31,7 @@ events into leaves and holds the accountant.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -186,6 +187,11 @@ class PldAccountant(Accountant):
     def for_search(self) -> PldAccountant:
         """A coarser PLD accountant for root finding (its answers are still upper bounds)."""
         return PldAccountant(self.relation, SEARCH_PRECISION)
+
+    def for_bound(self) -> PldAccountant:
+        """This accountant rounding every varying sampled Gaussian, however few (pld_rounding):
+        it dominates this accountant on every composition whose fixed coordinates it shares."""
+        return PldAccountant(self.relation, dataclasses.replace(self.precision, round_always=True))
 
     def unsupported_reason(self, event: DpEvent) -> str | None:
         if type(event) is PoissonSampledEvent and type(event.event) is GaussianEvent:

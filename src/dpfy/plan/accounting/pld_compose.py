@@ -8,10 +8,9 @@ it is bounded rigorously by the same bounds on the final discretisation and coun
 the mass below it aliases into the window, which can only overstate δ. The window and grid
 only decide tightness and cost, never soundness.
 
-Two setups choose the window and the grid spacing. For a few distinct leaves, each leaf is
-looked at on 2048 points and the spacing is a fraction of the smallest step's loss spread. For
-many, a cheaper look (512 points, fewer Chernoff exponents) gives the window, and the spread is
-read off the final grid itself, which is refined once if the spread asks for it.
+Two setups choose the window and the grid spacing from a 2048-point look at each leaf. For a
+few distinct leaves the spacing is a fraction of the smallest step's loss spread; for many
+(a schedule), of the median step's, and the window uses fewer Chernoff exponents.
 """
 
 from __future__ import annotations
@@ -34,12 +33,11 @@ from dpfy.plan.accounting.pld_discrete import (
     summed_log_mgf,
 )
 from dpfy.plan.accounting.pld_leaves import truncations
-from dpfy.plan.accounting.pld_pairs import Direction, GaussianPair
+from dpfy.plan.accounting.pld_pairs import Direction
 from dpfy.plan.accounting.pld_rounding import MANY_LEAVES
 
-#: Points of the first look at each leaf (few leaves, many leaves).
+#: Points of the first look at each leaf.
 _COARSE_POINTS = 2048
-_CHEAP_POINTS = 512
 #: Chernoff exponents of the cheaper set-up's window.
 _CHEAP_T_GRID = np.geomspace(1e-3, 1e4, 16)
 #: Chernoff exponents, relative to the window's, of the bound on the mass above the window:
@@ -114,31 +112,22 @@ def _many_leaves(
     bounds: list[tuple[float, float]],
     precision: PldPrecision,
 ) -> Setup:
-    """A 512-point look at each leaf gives the window; the smallest spread comes from the
-    2048-point look of the leaves that could have it (those no other Gaussian leaf lies below
-    in both μ and q, and every non-Gaussian leaf)."""
-    lo, hi, t_hi = chernoff_window(
-        _looks(directions, counts, bounds, _CHEAP_POINTS), WINDOW_TAIL_MASS, _CHEAP_T_GRID
-    )
+    """A 2048-point look at each leaf with fewer Chernoff exponents gives the window; the
+    spread is the median step spread, weighted by count (each step resolved to a fraction of
+    the typical step's spread: a much narrower one is a much cheaper step, whose extra
+    discretisation pessimism costs little)."""
+    coarse = _looks(directions, counts, bounds, _COARSE_POINTS)
+    lo, hi, t_hi = chernoff_window(coarse, WINDOW_TAIL_MASS, _CHEAP_T_GRID)
     width = max(hi - lo, 1e-9) * 1.1
-    low = _lowest(directions)
-    coarse = _looks(
-        [directions[i] for i in low], [1] * len(low), [bounds[i] for i in low], _COARSE_POINTS
-    )
-    spread = min((s for s in (step_std(p) for p, _ in coarse) if s > 0), default=width)
-    return lo, hi, t_hi, _grid(width, spread, precision)
-
-
-def _lowest(directions: list[Direction]) -> list[int]:
-    """Indices of the non-Gaussian leaves and of the Gaussian ones minimal in (μ, q)."""
-    gaussian = [i for i, d in enumerate(directions) if isinstance(d.pair, GaussianPair)]
-    keep = [i for i, d in enumerate(directions) if not isinstance(d.pair, GaussianPair)]
-    best_q = math.inf
-    for i in sorted(gaussian, key=lambda i: (directions[i].pair.mu, directions[i].sampling_rate)):
-        if directions[i].sampling_rate < best_q:
-            keep.append(i)
-            best_q = directions[i].sampling_rate
-    return keep
+    spreads = np.array([step_std(p) for p, _ in coarse])
+    weights = np.array(counts, dtype=float)[spreads > 0]
+    spreads = spreads[spreads > 0]
+    if spreads.size == 0:
+        return lo, hi, t_hi, _grid(width, width, precision)
+    order = np.argsort(spreads)
+    cumulative = np.cumsum(weights[order])
+    median = float(spreads[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
+    return lo, hi, t_hi, _grid(width, median, precision)
 
 
 def _compose(

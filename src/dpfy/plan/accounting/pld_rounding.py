@@ -12,13 +12,14 @@ replaced by one that dominates it, on a fixed geometric grid:
 
 Each rounded leaf dominates its original, and composition preserves domination (Zhu, Dong &
 Wang 2022, Thm. 10), so ε stays an upper bound; it grows by about half a grid step times the
-elasticity of ε in that parameter. A coordinate that takes few distinct values (a fixed q with
-a σ schedule, say) is left exact. Unsampled Gaussians compose exactly into one Gaussian with
-μ² summed (their PLDs are Gaussian), so they are merged rather than rounded.
+elasticity of ε in that parameter. A coordinate that is the same for every sampled Gaussian (a
+fixed q with a σ schedule, say) is left exact. Unsampled Gaussians compose exactly into one
+Gaussian with μ² summed (their PLDs are Gaussian), so they are merged rather than rounded.
 
 The grid is fixed (powers of 1 + resolution, the same for every composition), so a leaf's
-rounding never depends on what else was composed; ``always`` rounds every coordinate, which
-dominates every other choice and is what a budget guard plans with.
+rounding depends on nothing else composed except whether its coordinate varies at all;
+``always`` rounds whatever varies even below ``MANY_LEAVES`` leaves, which dominates both
+choices and is what the ledger's budget guard plans with (keeping fixed what has been fixed).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import math
 
 #: Up to this many distinct leaves are composed exactly.
 MANY_LEAVES = 64
-#: A coordinate with at most this many distinct values is never rounded.
-FEW_VALUES = 16
 #: Values within this relative distance of a grid point round to it (floating-point slack).
 _ON_GRID = 1e-9
 
@@ -45,14 +44,15 @@ def dominating_gaussians(
 ) -> dict[tuple[float, float], int]:
     """Sampled-Gaussian leaves (μ, q) → count, rounded up where they are many (see module).
 
-    Unsampled ones (q = 1) are merged into one leaf of μ = √(Σ count·μ²) and count 1.
+    A coordinate is rounded only where it varies; unsampled leaves (q = 1) are merged into one
+    leaf of μ = √(Σ count·μ²) and count 1.
     """
     if not always and len(leaves) <= MANY_LEAVES:
         return dict(leaves)
     sampled = {key: n for key, n in leaves.items() if key[1] < 1.0}
     plain = sum(n * key[0] ** 2 for key, n in leaves.items() if key[1] >= 1.0)
-    round_mu = always or len({mu for mu, _ in sampled}) > FEW_VALUES
-    round_q = always or len({q for _, q in sampled}) > FEW_VALUES
+    round_mu = len({mu for mu, _ in sampled}) > 1
+    round_q = len({q for _, q in sampled}) > 1
     out: dict[tuple[float, float], int] = {}
     for (mu, q), n in sampled.items():
         key = (

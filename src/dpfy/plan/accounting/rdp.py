@@ -52,6 +52,7 @@ from dpfy.plan.accounting.rdp_conversion import (
     _on_edge,
 )
 from dpfy.plan.accounting.rdp_order_search import best_order
+from dpfy.plan.accounting.rdp_running import RunningRdp
 from dpfy.plan.accounting.rdp_sampled_gaussian import sampled_gaussian_curves
 
 __all__ = ["GridEdgeWarning", "RdpAccountant"]
@@ -180,6 +181,10 @@ class RdpAccountant(Accountant):
     def unsupported_reason(self, event: DpEvent) -> str | None:
         """Why this accountant cannot bound ``event`` under its relation, or None if it can."""
         return rdp_unsupported_reason(event, self.relation)
+
+    def running(self) -> RunningRdp:
+        """A running curve on this accountant's grid (rdp_running): curves add exactly."""
+        return RunningRdp(self.relation, self._orders)
 
     def _invalidate(self) -> None:
         """A new event changes the curve; recompute it on the next query."""
