@@ -228,9 +228,7 @@ def _rounded(keys: dict[_Key, int], precision: PldPrecision) -> dict[_Key, int]:
         return keys
     out = {key: n for key, n in keys.items() if key[0] is not GaussianPair}
     gaussian = {(key[1], key[2]): n for key, n in keys.items() if key[0] is GaussianPair}
-    rounded = dominating_gaussians(
-        gaussian, precision.rounding_resolution, always=precision.round_always
-    )
+    rounded = dominating_gaussians(gaussian, precision.rounding_resolution)
     for (mu, q), n in rounded.items():
         out[(GaussianPair, mu, q)] = out.get((GaussianPair, mu, q), 0) + n
     return out

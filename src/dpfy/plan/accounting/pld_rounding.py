@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 
-#: Up to this many distinct leaves are composed exactly.
-MANY_LEAVES = 64
+#: Up to this many distinct leaves are composed exactly (their FFTs then take well under a
+#: second; with so few steps per grid cell, rounding would cost about 1% of ε).
+MANY_LEAVES = 256
 #: Values within this relative distance of a grid point round to it (floating-point slack).
 _ON_GRID = 1e-9
 
@@ -40,15 +41,13 @@ def round_up(value: float, resolution: float) -> float:
 
 
 def dominating_gaussians(
-    leaves: dict[tuple[float, float], int], resolution: float, *, always: bool = False
+    leaves: dict[tuple[float, float], int], resolution: float
 ) -> dict[tuple[float, float], int]:
-    """Sampled-Gaussian leaves (μ, q) → count, rounded up where they are many (see module).
+    """Gaussian leaves (μ, q) → count, each rounded up on the grid (see module).
 
     A coordinate is rounded only where it varies; unsampled leaves (q = 1) are merged into one
     leaf of μ = √(Σ count·μ²) and count 1.
     """
-    if not always and len(leaves) <= MANY_LEAVES:
-        return dict(leaves)
     sampled = {key: n for key, n in leaves.items() if key[1] < 1.0}
     plain = sum(n * key[0] ** 2 for key, n in leaves.items() if key[1] >= 1.0)
     round_mu = len({mu for mu, _ in sampled}) > 1
