@@ -5,6 +5,8 @@ Prints, per setting, each accountant's ε and wall time, then calibration times 
 
     .venv/bin/python benchmarks/accounting.py            # full run (several minutes)
     .venv/bin/python benchmarks/accounting.py --quick    # three settings
+    .venv/bin/python benchmarks/accounting.py --heterogeneous [--with-exact]
+        # 10⁴ distinct steps (σ or q schedules) and the budget guard (accounting_schedules.py)
 """
 
 from __future__ import annotations
@@ -103,7 +105,23 @@ def prv_calibrate(q: float, steps: int, target: float, delta: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three settings, one calibration")
+    parser.add_argument(
+        "--heterogeneous", action="store_true", help="10⁴ distinct steps and the budget guard"
+    )
+    parser.add_argument(
+        "--with-exact", action="store_true", help="also PLD without rounding (minutes per case)"
+    )
     args = parser.parse_args()
+    if args.heterogeneous:
+        from accounting_schedules import render_markdown as render_schedules
+        from accounting_schedules import run as run_schedules
+
+        results = run_schedules(with_exact=args.with_exact)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "accounting-heterogeneous.json").write_text(json.dumps(results, indent=2))
+        (RESULTS / "accounting-heterogeneous.md").write_text(render_schedules(results))
+        print(f"wrote {RESULTS / 'accounting-heterogeneous'}.json and .md")
+        return
     settings = SETTINGS[:3] if args.quick else SETTINGS
     calibrations = CALIBRATIONS[:1] if args.quick else CALIBRATIONS
     rows = []

@@ -138,8 +138,9 @@ class PrivacyLedger:
         self._certificate: Certificate | None = None
         self._certificate_guess = FIRST_GUESS
         self._near_limit = False
-        #: The accountant's running state, if it keeps one (additive accountants: RDP).
-        self._running = self._probe.running()
+        #: The accountant's running state, if it keeps one (additive accountants: RDP), built
+        #: at the first guarded step and kept up to date by every record after it.
+        self._running: Any = None
         self._warned_assumption = False
         #: The run this ledger accounts (set by make_private), so a checkpoint's ledger and
         #: sampler state can be checked to belong together.
@@ -268,6 +269,10 @@ class PrivacyLedger:
         event = self._validate_step(step, relation)
         if self.target_epsilon is None or isinstance(event, NoOpEvent):
             return  # a step that releases nothing cannot take ε past any target
+        if self._running is None:
+            self._running = self._probe.running()
+            if self._running is not None:
+                self._running.add_all(self._event_counts(None, poisson=False))
         if self._running is not None:  # ε with this step, from the running state: one conversion
             value = self._running.epsilon_with(event, 1, self.delta)
             tie = self.target_epsilon * self._running.tie  # rounding against a fresh accountant
@@ -597,7 +602,7 @@ class PrivacyLedger:
         self._checked_events = loaded._checked_events
         self._warned_assumption = loaded._warned_assumption
         self.run_id = loaded.run_id
-        self._running = loaded._running
+        self._running = None
         self._epsilon_cache = {}
         self._headroom = None
         self._certificate = None

@@ -88,7 +88,8 @@ class Accountant(abc.ABC):
 
     def running(self) -> Any:
         """A running state that adds events one at a time and answers "ε with one more event"
-        cheaply (``add(event, count)``, ``epsilon_with(event, count, delta)``, and ``tie``: the
+        cheaply (``add(event, count)``, ``add_all(counts)``, ``epsilon_with(event, count,
+        delta)``, and ``tie``: the
         relative distance from a target within which its answer may differ from a fresh
         accountant's by rounding), or None if this accountant keeps none (only accountants whose
         events add exactly can)."""

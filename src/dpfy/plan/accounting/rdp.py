@@ -184,7 +184,11 @@ class RdpAccountant(Accountant):
 
     def running(self) -> RunningRdp:
         """A running curve on this accountant's grid (rdp_running): curves add exactly."""
-        return RunningRdp(self.relation, self._orders)
+        return RunningRdp(self.relation, self._orders, self._batched_curve)
+
+    def _batched_curve(self, counts: dict[DpEvent, int]) -> np.ndarray:
+        """The curve of ``counts`` composed in one batch on this grid."""
+        return _Split(list(counts.items()), self.relation, self._orders).curve()
 
     def _invalidate(self) -> None:
         """A new event changes the curve; recompute it on the next query."""

@@ -11,6 +11,7 @@ accountant within a relative ``TIE`` of it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,9 +31,16 @@ class RunningRdp:
     #: Relative distance from a target within which :meth:`epsilon_with` does not decide.
     tie = TIE
 
-    def __init__(self, relation: NeighbouringRelation, orders: np.ndarray) -> None:
+    def __init__(
+        self,
+        relation: NeighbouringRelation,
+        orders: np.ndarray,
+        batch: Callable[[dict[DpEvent, int]], np.ndarray],
+    ) -> None:
+        """``batch`` composes many events into one curve (the accountant's batched path)."""
         self.relation = relation
         self.orders = np.asarray(orders, dtype=float)
+        self._batch = batch
         self.total = np.zeros_like(self.orders)
         self._curve = functools.lru_cache(maxsize=4096)(self._fresh_curve)
 
@@ -45,6 +53,10 @@ class RunningRdp:
     def add(self, event: DpEvent, count: int) -> None:
         """Record ``count`` more runs of ``event``."""
         self.total = self.total + count * self._curve(event)
+
+    def add_all(self, counts: dict[DpEvent, int]) -> None:
+        """Record many events at once: one batched curve (a resumed run's whole ledger)."""
+        self.total = self.total + self._batch(counts)
 
     def epsilon_with(self, event: DpEvent, count: int, delta: float) -> float:
         """ε at ``delta`` of everything recorded plus ``count`` runs of ``event``."""
