@@ -39,7 +39,7 @@ from dpfy.plan.accounting.pld_rounding import MANY_LEAVES
 #: Points of the first look at each leaf.
 _COARSE_POINTS = 2048
 #: Chernoff exponents of the cheaper set-up's window.
-_CHEAP_T_GRID = np.geomspace(1e-3, 1e4, 16)
+_CHEAP_T_GRID = np.geomspace(1e-2, 1e3, 8)
 #: Chernoff exponents, relative to the window's, of the bound on the mass above the window:
 #: any t > 0 gives a valid bound, and the window's own optimum keeps it tight and cheap.
 _TAIL_TS = np.array([1.0])

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 
-#: Up to this many distinct leaves are composed exactly (their FFTs then take well under a
-#: second; with so few steps per grid cell, rounding would cost about 1% of ε).
+#: Up to this many distinct leaves are composed exactly: that many FFTs stay cheap, and so few
+#: steps would each sit alone in a grid cell, where rounding up costs the most.
 MANY_LEAVES = 256
 #: Values within this relative distance of a grid point round to it (floating-point slack).
 _ON_GRID = 1e-9
