@@ -75,9 +75,9 @@ def test_the_tune_choice_names_are_the_registries_keys():
     from dpfy.tune.cost import TUNING_METHODS
     from dpfy.tune.names import DISTRIBUTION_NAMES, SEARCH_NAMES, TUNING_METHOD_NAMES
 
-    assert SEARCH_NAMES == tuple(SEARCHES)
-    assert TUNING_METHOD_NAMES == tuple(TUNING_METHODS)
-    assert DISTRIBUTION_NAMES == tuple(d.value for d in TrialDistribution)
+    assert tuple(SEARCHES) == SEARCH_NAMES
+    assert tuple(TUNING_METHODS) == TUNING_METHOD_NAMES
+    assert tuple(d.value for d in TrialDistribution) == DISTRIBUTION_NAMES
 
 
 def test_tune_refuses_an_unknown_dataset_or_search_as_a_choice():
