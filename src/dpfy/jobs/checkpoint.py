@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from dpfy.report.clip_norms import NormLog
+from dpfy.train.checkpoints import save_atomically
 from dpfy.train.session import PrivateTraining
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -56,14 +56,7 @@ def save_checkpoint(private: PrivateTraining, run_dir: Path, job: JobState) -> P
         "seconds": float(job.seconds),
     }
     if private.replicas.is_writer:
-        handle, temporary = tempfile.mkstemp(dir=run_dir, prefix=f".{CHECKPOINT_FILE}.")
-        os.close(handle)  # mkstemp made it readable by its owner only; os.replace keeps that
-        try:
-            torch.save(state, temporary)
-            os.replace(temporary, target)
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+        save_atomically(state, target)
     private.replicas.barrier()
     return target
 

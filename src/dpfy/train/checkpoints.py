@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +23,24 @@ import torch
 FORMAT = "dpfy.checkpoint"
 VERSION = 3
 PARTS = ("plan", "model", "optimizer", "ledger", "loader", "noise", "mechanism", "run")
+
+
+def save_atomically(state: Any, target: Path) -> Path:
+    """``torch.save`` into ``target`` so a crash mid-write keeps the previous file whole.
+
+    The file is owner-only: mkstemp creates it so, and os.replace keeps that (a checkpoint holds
+    the noise and sampling generators' states).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    os.close(handle)
+    try:
+        torch.save(state, temporary)
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target
 
 
 def seal(state: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import secrets
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from torch import nn
 from dpfy.data.loader import DPDataLoader
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.train import report_seam
-from dpfy.train.checkpoints import seal, unseal
+from dpfy.train.checkpoints import save_atomically, seal, unseal
 from dpfy.train.distributed import (
     ProcessGroupReplicas,
     SingleProcess,
@@ -182,15 +181,7 @@ class PrivateTraining:
         if not self.replicas.is_writer:
             self.replicas.barrier()
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-        os.close(handle)
-        try:
-            torch.save(state, temporary)
-            os.replace(temporary, target)
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+        save_atomically(state, target)
         self.replicas.barrier()
         return target
 
