@@ -14,13 +14,14 @@ from pathlib import Path
 import dpfy
 
 SOURCE = Path(dpfy.__file__).parent
-STAGES = ("plan", "data", "train", "tune", "federated", "report", "jobs", "cli")
+STAGES = ("plan", "data", "train", "audit", "access", "tune", "federated", "report", "jobs", "cli")
 #: Each layer may import only the layers before it (the order the README states).
 LAYERS = (
     ("dpfy", "_validate"),  # the root package imports no module (its names load lazily)
     ("plan",),
     ("data",),
     ("train",),
+    ("audit", "access"),
     ("report",),
     ("jobs",),
     ("tune", "federated"),

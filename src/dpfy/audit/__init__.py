@@ -1,0 +1,6 @@
+"""Empirical privacy auditing: evidence about the code that ran, beside the ε it claims.
+
+An ε is a proof about the mechanism as written; an audit runs the code with canaries (or
+attacks the final model) and turns what an attacker could tell into a lower bound ε̂ at a stated
+confidence (Nasr et al. 2023; Steinke, Nasr & Jagielski 2023). A correct run has ε̂ ≤ ε.
+"""
