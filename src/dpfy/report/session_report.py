@@ -31,12 +31,18 @@ def write_session_report(
     accuracy: float | None = None,
     baseline_accuracy: float | None = None,
     history: Sequence[Mapping[str, Any]] | None = None,
+    sequence_task: bool | None = None,
+    loss_normalisation: str | None = None,
     overwrite: bool = False,
     plots: bool = True,
 ) -> dict[str, Path]:
     """Write report.md, report.json, facts.json and the plots of ``training`` into ``out_dir``.
 
-    Names default to the dataset's and model's classes. A directory that already holds a
+    Names default to the dataset's and model's classes. ``sequence_task`` and
+    ``loss_normalisation`` (how each example's loss combines its tokens, e.g. 'per-token-mean')
+    default to what the engine saw: a Hugging Face token-level head makes a sequence task, and
+    its loss is 'per-token-mean' when every forward computed it from labels (dpfy made it so).
+    A directory that already holds a
     report is refused unless ``overwrite=True``, so no earlier run's report is lost.
     """
     target = Path(out_dir)
@@ -46,6 +52,7 @@ def write_session_report(
             f"{target} already holds a report ({', '.join(existing)}); pass another directory, "
             "or overwrite=True to replace it"
         )
+    guard = training.engine.loss_guard
     facts = collect_facts(
         training,
         dataset_name=dataset or type(training.loader.dataset).__name__,
@@ -53,6 +60,8 @@ def write_session_report(
         dataset_source=dataset_source,
         preprocessing=preprocessing,
         results=ResultFacts(accuracy=accuracy, baseline_accuracy=baseline_accuracy),
+        sequence_task=guard.token_heads if sequence_task is None else sequence_task,
+        loss_normalisation=loss_normalisation or guard.loss_normalisation,
     )
     return write_report(facts, target, history=history, plots=plots)
 

@@ -81,7 +81,8 @@ class PrivateTraining:
         ``details`` say what only the caller knows: ``dataset`` and ``model`` names,
         ``dataset_source``, ``preprocessing``, ``accuracy`` and ``baseline_accuracy`` measured on
         held-out data, the training ``history`` (rows with ``step``, ``loss``, …), ``overwrite``
-        (a directory that already holds a report is refused without it) and ``plots``.
+        (a directory that already holds a report is refused without it), ``plots``, and for a
+        sequence task ``sequence_task`` and ``loss_normalisation`` (defaults: what the engine saw).
         Returns the written paths by name. In a distributed run call it on one rank.
         """
         return report_seam.write(self, out_dir, **details)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from dpfy._validate import check_count, check_positive
 from dpfy.train.grads.capture import Call, Tap, Taps
+from dpfy.train.grads.hf_losses import LossGuard
 from dpfy.train.grads.layout import Units
 from dpfy.train.grads.precision import autocast_off, compute_dtype
 from dpfy.train.grads.registry import find_rule
@@ -79,8 +80,10 @@ class GradEngine:
         substitutions: list[Substitution],
         param_names: dict[int, str],
         fallback_reason: str | None = None,
+        loss_guard: LossGuard | None = None,
     ) -> None:
         self.model = model
+        self.loss_guard = loss_guard or LossGuard()  # Hugging Face heads' losses, per example
         self.batch_first = batch_first
         self.fallback_reason = fallback_reason
         self._substitutions = substitutions
@@ -256,6 +259,7 @@ class GradEngine:
         if not self._attached:
             return
         self._taps.remove()
+        self.loss_guard.remove()
         for tap in self._taps.taps:
             WATCHED.discard(tap.module)
         restore(self._substitutions)

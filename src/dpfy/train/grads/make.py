@@ -11,6 +11,7 @@ from dpfy.train.grads import rules as _rules  # noqa: F401 - registers the layer
 from dpfy.train.grads.capture import Tap
 from dpfy.train.grads.engine import WATCHED, GradEngine
 from dpfy.train.grads.fast import FastEngine
+from dpfy.train.grads.hf_losses import guard_hf_losses
 from dpfy.train.grads.registry import LayerRule, find_rule
 from dpfy.train.grads.substitutions import restore, substitute, substitution_blocker
 from dpfy.train.grads.vmap import VmapEngine
@@ -170,6 +171,7 @@ def make_engine(
     kind = "fast" if engine == "fast" or (engine == "auto" and blocker is None) else "vmap"
     names = {id(p): n for n, p in model.named_parameters()}
     substitutions = substitute(model)
+    loss_guard = guard_hf_losses(model)
     try:
         taps = []
         owners = _owners(model, innermost=kind == "fast")
@@ -194,7 +196,9 @@ def make_engine(
             substitutions=substitutions,
             param_names=names,
             fallback_reason=blocker if engine == "auto" and kind == "vmap" else None,
+            loss_guard=loss_guard,
         )
     except Exception:
         restore(substitutions)
+        loss_guard.remove()
         raise
