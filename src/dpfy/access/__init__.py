@@ -4,3 +4,23 @@ Label-only DP (the labels are private, the features public), prediction-level DP
 answers are released, the model never is) and input-level DP (the data is privatised before any
 training). Full-training DP-SGD lives in :mod:`dpfy.train`.
 """
+
+from typing import Any
+
+#: Names served lazily (PEP 562), so importing this package stays torch-free until one is used.
+_LAZY = {
+    "PrivateEnsemble": "dpfy.access.prediction",
+    "GNMax": "dpfy.access.prediction_aggregator",
+    "ConfidentGNMax": "dpfy.access.prediction_aggregator",
+    "QueryLedger": "dpfy.access.prediction_ledger",
+    "QueryBudgetExhausted": "dpfy.access.prediction_ledger",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a prediction-level name on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dpfy.access' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
