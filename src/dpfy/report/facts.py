@@ -34,6 +34,7 @@ from dpfy._validate import (
     check_sampling_rate,
 )
 from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.report.access_facts import AccessFacts
 from dpfy.report.accounting import (
     STANDARD_DELTAS,
     AccountingFacts,
@@ -91,6 +92,7 @@ class RunFacts:
     results: ResultFacts = field(default_factory=ResultFacts)
     grad_norms: GradNormStats | None = None
     public_inputs: tuple[PublicInput, ...] = ()  # pretrained weights, tokenizer: not private
+    access: AccessFacts = field(default_factory=AccessFacts)  # guide §3.2: what ε protects
 
     def to_dict(self) -> dict[str, Any]:
         """Versioned plain-JSON dict (non-finite floats as 'inf'/'-inf'/'nan')."""
@@ -126,6 +128,7 @@ class RunFacts:
                 "results": lambda d: build(ResultFacts, d, where="results"),
                 "grad_norms": optional(lambda d: build(GradNormStats, d, where="grad_norms")),
                 "public_inputs": tuple_of(PublicInput, "public_inputs"),
+                "access": AccessFacts.from_dict,
             },
         )
         _check_inputs(facts)

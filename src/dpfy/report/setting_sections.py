@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dpfy.report.access_facts import access_statement
 from dpfy.report.run_parts import RELEASES, UNITS
 from dpfy.report.sections import paragraph, section
 
@@ -33,7 +34,9 @@ def dp_setting(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -
             "summing to one N(0, σ²C²) on the all-reduced sum; the processes and the channel "
             "between them are trusted. Diagnostics below cover rank 0's shard only."
         )
-    return {"model": "central", "curator": "trusted", "statement": statement}
+    statement += f" {access_statement(facts.access)}"
+    access = facts.access.model
+    return {"model": "central", "curator": "trusted", "access": access, "statement": statement}
 
 
 @section("released", "2. What is released", paragraph)
