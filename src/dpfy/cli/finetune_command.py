@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from dpfy.cli.choices import choices
 from dpfy.jobs.finetune_config import FINETUNE_OPTIMIZERS, FinetuneConfig
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["finetune"]
 
 _DEFAULT = FinetuneConfig()
+FinetuneOptimizer = choices("FinetuneOptimizer", FINETUNE_OPTIMIZERS)
 _USAGE_ERROR = 2
 _OUT_HELP = "Run directory (new or empty); default runs/finetune-<model>-<mode>-eps<ε>-<time>."
 _SEED_HELP = "Seed sampling and noise (experiments only: the report flags a seeded run)."
@@ -54,8 +56,8 @@ def finetune(
     max_grad_norm: Annotated[float, typer.Option(help="Clip norm C.")] = _DEFAULT.max_grad_norm,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = _DEFAULT.lr,
     optimizer: Annotated[
-        str, typer.Option(help=f"Torch optimizer: {', '.join(FINETUNE_OPTIMIZERS)}.")
-    ] = _DEFAULT.optimizer,
+        FinetuneOptimizer, typer.Option(help="Torch optimizer.")
+    ] = FinetuneOptimizer(_DEFAULT.optimizer),
     lora_rank: Annotated[int, typer.Option(help="LoRA rank r (--mode lora).")] = 8,
     max_length: Annotated[int, typer.Option(help="Tokens per snippet.")] = _DEFAULT.max_length,
     model_dir: Annotated[
@@ -84,7 +86,7 @@ def finetune(
         raise typer.Exit(_USAGE_ERROR)
     config = FinetuneConfig(
         mode=mode, target_epsilon=target_epsilon, delta=delta, epochs=epochs,
-        batch_size=batch_size, max_grad_norm=max_grad_norm, lr=lr, optimizer=optimizer,
+        batch_size=batch_size, max_grad_norm=max_grad_norm, lr=lr, optimizer=optimizer.value,
         lora_rank=lora_rank, max_length=max_length, model_dir=model_dir, data_dir=data_dir,
         out=None if out is None else Path(out), seed=seed, baseline=baseline, limit=limit,
     )  # fmt: skip

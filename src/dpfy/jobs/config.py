@@ -16,6 +16,7 @@ from dpfy._validate import (
     check_positive_at_most,
     check_seed,
 )
+from dpfy.jobs.access import ACCESS_NAMES as _ACCESS_NAMES
 
 #: Datasets, models and gradient engines ``dpfy train`` offers, spelt out here so the CLI lists
 #: them without importing torch; a test holds each equal to its registry (datasets, models,
@@ -34,6 +35,14 @@ UNIT_NAMES = ("example", "user")
 #: Training algorithms ``dpfy train`` offers: DP-SGD (Poisson sampling) or DP-FTRL (shuffled
 #: batches, tree-aggregation noise, no sampling assumption; example level only).
 ALGORITHM_NAMES = ("dp-sgd", "dp-ftrl")
+
+#: Where DP applies (guide §3.2): full training (DP-SGD), label-only or input-level DP; the
+#: names come from the access-model registry (:mod:`dpfy.jobs.access`).
+ACCESS_NAMES = _ACCESS_NAMES
+
+#: Label-only DP's randomisers: k-ary randomised response, or RR-with-prior in stages (a test
+#: holds this equal to :data:`dpfy.access.label_ledger.LABEL_MECHANISMS`).
+LABEL_MECHANISM_NAMES = ("rr", "rr-prior")
 
 #: Upper bound on --epochs (and tuning's --trial-epochs): generous, as DP runs take tens to
 #: hundreds of passes, and it keeps the ⌈E·N/B⌉ steps within what the accountants compose.
@@ -71,6 +80,11 @@ class TrainConfig:
     users: int = 100
     max_examples_per_user: int | None = None
     algorithm: str = "dp-sgd"
+    access: str = "full"
+    label_mechanism: str = "rr"
+    stages: int = 1
+    #: The user declares the features public (what label-only DP assumes; the report says so).
+    features_public: bool = False
 
     def resolved_delta(self, dataset_size: int) -> float:
         """δ as given, or a power of ten at least 10× below 1/N (guide §2.1: δ ≪ 1/N)."""
@@ -108,6 +122,29 @@ def check_config(config: TrainConfig) -> None:
         )
     if config.algorithm == "dp-ftrl" and config.unit != "example":
         raise ValueError("--algorithm dp-ftrl needs --unit example")
+    _check_access(config)
+
+
+def _check_access(config: TrainConfig) -> None:
+    """The access model is known, and its options belong to it (label: mechanism, stages)."""
+    if config.access not in ACCESS_NAMES:
+        raise ValueError(f"access must be one of {', '.join(ACCESS_NAMES)}; got {config.access!r}")
+    if config.label_mechanism not in LABEL_MECHANISM_NAMES:
+        raise ValueError(
+            f"label_mechanism must be one of {', '.join(LABEL_MECHANISM_NAMES)}; "
+            f"got {config.label_mechanism!r}"
+        )
+    check_count("stages", config.stages, minimum=1)
+    if config.stages > 1 and (config.access != "label" or config.label_mechanism != "rr-prior"):
+        raise ValueError("--stages applies to --access label --label-mechanism rr-prior only")
+    if config.access in ("label", "input") and (config.unit, config.algorithm) != (
+        "example",
+        "dp-sgd",
+    ):
+        raise ValueError(
+            f"--access {config.access} randomises each example's data once and trains without "
+            "DP-SGD: drop --unit and --algorithm (they apply to --access full)"
+        )
 
 
 def public_seed(seed: int | None) -> int:
