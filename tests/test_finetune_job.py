@@ -79,3 +79,13 @@ def test_a_bad_mode_is_one_error_line_and_exit_code_2(model_dir: Path, tmp_path:
     assert result.exit_code == 2
     assert "unknown fine-tuning mode 'middle'" in result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_the_finetune_command_lists_its_optimizers_and_refuses_another_by_name():
+    from typer.testing import CliRunner
+
+    from dpfy.cli.app import app
+
+    result = CliRunner().invoke(app, ["finetune", "--optimizer", "adamx"])
+    assert result.exit_code == 2
+    assert "'adamx' is not one of 'adamw', 'adam', 'sgd'" in result.output

@@ -26,6 +26,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from dpfy import __version__
+from dpfy.cli.choices import choices
 from dpfy.cli.finetune_command import finetune
 from dpfy.cli.train_output import PITFALL_EXIT
 from dpfy.federated.config import SERVER_OPTIMIZER_NAMES, FederatedConfig
@@ -265,10 +266,7 @@ def plan(
         _emit(result, "DP-SGD plan (add-or-remove adjacency, Poisson sampling)", as_json)
 
 
-def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
-    """A str Enum of a registry's names, so the parser lists them and refuses a typo by name."""
-    return Enum(name, {value.replace("-", "_"): value for value in values}, type=str)
-
+_choices = choices
 
 OptimizerChoice = _choices("OptimizerChoice", OPTIMIZER_NAMES)
 UnitChoice = _choices("UnitChoice", UNIT_NAMES)
