@@ -23,6 +23,7 @@ __all__ = ["finetune"]
 
 _DEFAULT = FinetuneConfig()
 FinetuneOptimizer = choices("FinetuneOptimizer", FINETUNE_OPTIMIZERS)
+_OPTIMIZER = FinetuneOptimizer(_DEFAULT.optimizer)
 _USAGE_ERROR = 2
 _OUT_HELP = "Run directory (new or empty); default runs/finetune-<model>-<mode>-eps<ε>-<time>."
 _SEED_HELP = "Seed sampling and noise (experiments only: the report flags a seeded run)."
@@ -55,9 +56,7 @@ def finetune(
     batch_size: Annotated[int, typer.Option(help="Expected batch size B.")] = _DEFAULT.batch_size,
     max_grad_norm: Annotated[float, typer.Option(help="Clip norm C.")] = _DEFAULT.max_grad_norm,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = _DEFAULT.lr,
-    optimizer: Annotated[
-        FinetuneOptimizer, typer.Option(help="Torch optimizer.")
-    ] = FinetuneOptimizer(_DEFAULT.optimizer),
+    optimizer: Annotated[FinetuneOptimizer, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
     lora_rank: Annotated[int, typer.Option(help="LoRA rank r (--mode lora).")] = 8,
     max_length: Annotated[int, typer.Option(help="Tokens per snippet.")] = _DEFAULT.max_length,
     model_dir: Annotated[
