@@ -1,0 +1,205 @@
+"""Run the private step with canaries and record what a white-box auditor sees.
+
+The audit session is built by :func:`dpfy.train.builder.make_private` with the audited run's
+own settings — its sampler and rate q = B/N, σ, C, expected batch size B, algorithm, clipping
+unit and noise mechanism — on the canary records of :mod:`dpfy.audit.canaries`, so the
+canaries reach the update only through the run's sampler, clipping, noise, divisor and ledger.
+The auditor sees every intermediate model (the white-box threat model of Nasr et al. 2023): the
+observed update of each step, −Δθ (SGD, learning rate 1), normalised by B/C so that a clipped
+canary adds exactly 1 (sensitivity C) and the noise has std σ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dpfy.audit.canaries import CanaryDesign, CanaryModel, audit_rows
+from dpfy.data.loader import rest_of_run
+from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.train.builder import make_private
+
+#: The samplers make_private names for DP-FTRL, from the plan's sampler names.
+_TREE_SAMPLERS = {"tree-shuffle": "shuffle", "tree-fixed-order": "fixed-order"}
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The private step an audit re-runs: the settings of the audited run, nothing else.
+
+    ``records`` and ``batch_size`` count what the run samples (examples, or users at user
+    level), so q = batch_size / records as in the run.
+    """
+
+    records: int
+    batch_size: int
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    algorithm: str = "dp-sgd"
+    unit: str = "example"
+    sampler: str | None = None
+    accountant: str = "pld"
+    relation: str = "add-or-remove"
+    restart_every: int | None = None
+    tree: str | None = None
+    loss_reduction: str = "mean"
+
+    @classmethod
+    def from_plan(cls, plan: PrivacyPlan) -> StepSettings:
+        """The step of a run's plan (``PrivateTraining.plan``, or a run directory's)."""
+        if plan.microbatch_size is not None:
+            raise ValueError(
+                "a white-box audit of microbatch clipping is not supported: a canary would share "
+                "its microbatch with other records; audit the run without microbatch_size"
+            )
+        if plan.world_size != 1:
+            raise ValueError("audit a distributed run's step in one process (world_size 1)")
+        return cls(
+            records=plan.dataset_size,
+            batch_size=plan.expected_batch_size,
+            noise_multiplier=plan.noise_multiplier,
+            max_grad_norm=plan.max_grad_norm,
+            delta=plan.delta,
+            algorithm=plan.algorithm,
+            unit=plan.unit,
+            sampler=_TREE_SAMPLERS.get(plan.sampler, plan.sampler),
+            accountant=plan.accountant,
+            relation=plan.relation,
+            restart_every=plan.restart_every,
+            tree=plan.tree,
+            loss_reduction=plan.loss_reduction,
+        )
+
+    @property
+    def steps_per_block(self) -> int:
+        """Steps of one independent trial: one step, or one epoch of DP-FTRL's trees.
+
+        DP-FTRL's noise is correlated across the steps of a tree, so its steps are not
+        independent trials; an epoch (whole trees, the canary once) is.
+        """
+        if self.algorithm == "dp-ftrl":
+            return self.records // self.batch_size
+        return 1
+
+
+@dataclass(frozen=True)
+class Session:
+    """One audit session: the normalised update of every step on every coordinate, its claim.
+
+    ``updates`` has one row per step; ``claimed_block_epsilon`` is the ledger's ε after one
+    block (one trial) and ``claimed_epsilon`` after the whole session, both at the run's δ.
+    """
+
+    updates: np.ndarray
+    claimed_block_epsilon: float
+    claimed_epsilon: float
+
+    def blocks(self, steps_per_block: int) -> np.ndarray:
+        """The updates summed over each block of steps: one row per independent trial."""
+        usable = self.updates.shape[0] // steps_per_block * steps_per_block
+        rows = self.updates[:usable]
+        return rows.reshape(-1, steps_per_block, rows.shape[1]).sum(axis=1)
+
+
+def run_session(
+    settings: StepSettings,
+    design: CanaryDesign,
+    included: torch.Tensor,
+    blocks: int,
+    seed: int | None,
+) -> Session:
+    """Train the audit model for ``blocks`` trials on the canaries in ``included`` and watch it."""
+    rows = audit_rows(design, included, settings.relation)
+    steps = blocks * settings.steps_per_block
+    model = CanaryModel(design.coordinates)
+    private = _private_session(settings, model, rows, steps, seed)
+    updates = np.empty((steps, design.coordinates))
+    block_epsilon = math.nan
+    step = 0
+    previous = model.weights.clone()
+    for batch in rest_of_run(private.loader):
+        private.optimizer.zero_grad()
+        _loss(model(batch), settings.loss_reduction).backward()
+        private.optimizer.step()
+        current = model.weights.clone()
+        updates[step] = (previous - current).numpy()
+        previous = current
+        step += 1
+        if step == settings.steps_per_block:
+            block_epsilon = private.epsilon()
+    scale = settings.batch_size / settings.max_grad_norm
+    return Session(updates[:step] * scale, block_epsilon, private.epsilon())
+
+
+def _private_session(
+    settings: StepSettings,
+    model: CanaryModel,
+    rows: torch.Tensor,
+    steps: int,
+    seed: int | None,
+):  # -> PrivateTraining (not imported: its module is the builder's)
+    """make_private with the audited run's settings on the canary records (SGD, lr 1)."""
+    dataset = _Rows(rows)
+    options = dataclasses.asdict(settings)
+    user_ids = torch.arange(rows.shape[0]) if settings.unit == "user" else None
+    with warnings.catch_warnings():  # δ ≥ 1/N is the audited run's choice, not the audit's
+        warnings.simplefilter("ignore", UserWarning)
+        return make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            dataset,
+            batch_size=settings.batch_size,
+            delta=settings.delta,
+            max_grad_norm=settings.max_grad_norm,
+            noise_multiplier=settings.noise_multiplier,
+            steps=steps,
+            accountant=settings.accountant,
+            sampler=options["sampler"],
+            algorithm=settings.algorithm,
+            restart_every=settings.restart_every,
+            tree=settings.tree,
+            loss_reduction=settings.loss_reduction,  # type: ignore[arg-type]
+            user_ids=user_ids,
+            seed=seed,
+            engine="auto",
+            loader_options={"collate_fn": _collate},
+        )
+
+
+class _Rows(torch.utils.data.Dataset):
+    """The audit's rows; a batch is fetched in one indexing (``__getitems__``), not row by row."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.rows[index]
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        return self.rows[torch.as_tensor(indices, dtype=torch.long)]
+
+
+def _collate(samples: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """A fetched block of rows as it is; a list of single rows (the loader's template) stacked."""
+    if isinstance(samples, torch.Tensor):
+        return samples
+    return torch.stack(list(samples))
+
+
+def _loss(outputs: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The audit model's loss under the run's reduction (the engine undoes a mean itself)."""
+    if outputs.numel() == 0:
+        return outputs.sum()
+    return outputs.mean() if reduction == "mean" else outputs.sum()
+
+
+__all__ = ["Session", "StepSettings", "run_session"]

@@ -1,0 +1,233 @@
+"""White-box audits of the private step: ε̂ from gradient canaries, classical and one-run.
+
+Python API for any run: ``audit_private_step(StepSettings.from_plan(private.plan))`` re-runs the
+run's own private step (:mod:`dpfy.audit.observe`) with Dirac canaries
+(:mod:`dpfy.audit.canaries`) and returns an :class:`~dpfy.audit.result.AuditResult`.
+
+**Classical** (Nasr et al. 2023): one session with every canary in and one with every canary
+out (removed, zeroed or negated, by the run's relation). A trial is one canary coordinate in one
+block — one step of DP-SGD (independent noise; the canary's gradient does not depend on the
+model, so every step is a fresh run of the one-step mechanism), one epoch of DP-FTRL (its noise
+is correlated within a tree, so single steps are not independent trials). Two statistics, each
+at confidence 1 − (1 − c)/2 so that their maximum holds at c: the canary coordinate's update
+(higher means "in"), and the noise scale the probes show (a correct step's is fixed; one that
+divides by the realised batch size shrinks it when the canary's record makes the batch larger).
+The threshold is chosen on the first fifth of each session's blocks and evaluated on the rest
+(:func:`dpfy.audit.bounds.classical_epsilon_lower_bound`). ε̂ bounds the ε of one block, and is
+compared with the ledger's ε for one block.
+
+How many trials tightness needs: with n trials a side, a test that never errs one way has a
+Clopper–Pearson rate bound of about 3.7/n at 97.5 %, so ε̂ ≤ log(n/3.7) however good the attack.
+At ε = 8 for one step (σ ≈ 0.55 at q = ½, δ = 10⁻⁵) the best threshold's expected ε̂ is ≈ 3.9
+with 3·10⁴ trials a side, ≈ 4.4 with 10⁵, ≈ 4.9 with 3·10⁵: reaching ε̂ ≥ ε/2 = 4 takes ≈ 10⁵
+trials a side after the threshold split, e.g. 500 canaries × 250 steps.
+
+**One-run** (Steinke, Nasr & Jagielski 2023): one session whose canaries are each in with
+probability ½ (a coin flip the auditor scores, never uses); each canary's score is the
+log-likelihood ratio of its coordinate's updates over all steps under the claimed mechanism,
+and :func:`dpfy.audit.one_run.score_and_guess` turns the guesses into ε̂ for the whole run.
+
+**Where the white-box audit is sound.** DP-SGD and user-level DP-SGD: yes, per step (Poisson
+or shuffled batches; the canary user holds one record). DP-FTRL: only per epoch — an epoch's
+trees are restarted, so epochs are independent, while steps inside a tree share noise — and
+only under its zero-out relation: removing a record would shift every later record into
+another batch, a pair of datasets the tree accounting does not call neighbours, so an audit
+comparing them could report ε̂ above a correct claim. The one-run audit of DP-FTRL needs the
+canaries in fixed positions of the stream, which its zero-out canaries keep.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+from scipy import special
+
+from dpfy.audit.bounds import choose_threshold, classical_epsilon_lower_bound
+from dpfy.audit.canaries import CanaryDesign, out_mean
+from dpfy.audit.observe import Session, StepSettings, run_session
+from dpfy.audit.one_run import score_and_guess
+from dpfy.audit.result import AuditResult
+
+#: Share of each session's blocks that chooses the threshold (the rest evaluate it).
+PILOT_SHARE = 0.2
+
+
+def audit_private_step(
+    settings: StepSettings,
+    *,
+    method: str = "classical",
+    canaries: int = 100,
+    blocks: int = 100,
+    probes: int = 64,
+    confidence: float = 0.95,
+    seed: int | None = None,
+) -> AuditResult:
+    """ε̂ of the run's private step (classical: of one block; one-run: of ``blocks`` blocks).
+
+    ``seed`` makes the audit reproducible (leave it None to draw from the OS).
+    """
+    if method == "classical":
+        return classical_audit(settings, canaries, blocks, probes, confidence, seed)
+    if method == "one-run":
+        return one_run_audit(settings, canaries, blocks, probes, confidence, seed)
+    raise ValueError(f"method must be 'classical' or 'one-run', got {method!r}")
+
+
+def design_for(settings: StepSettings, canaries: int, probes: int) -> CanaryDesign:
+    """The audit's records: the run's N, ``canaries`` of them canaries, each of norm 10·C.
+
+    Removing every canary must leave at least B records (a batch of B stays possible).
+    """
+    if settings.relation == "add-or-remove" and settings.records - canaries < settings.batch_size:
+        raise ValueError(
+            f"{canaries} canaries removed from {settings.records} records leave fewer than the "
+            f"batch size {settings.batch_size}; use at most "
+            f"{settings.records - settings.batch_size} canaries"
+        )
+    return CanaryDesign(canaries, probes, settings.records, 10.0 * settings.max_grad_norm)
+
+
+def classical_audit(
+    settings: StepSettings,
+    canaries: int,
+    blocks: int,
+    probes: int,
+    confidence: float,
+    seed: int | None,
+) -> AuditResult:
+    """Sessions with all canaries in and all out; ε̂ of one block (see the module docstring)."""
+    start = time.perf_counter()
+    design = design_for(settings, canaries, probes)
+    seeds = (None, None) if seed is None else (2 * seed, 2 * seed + 1)
+    inside = run_session(settings, design, torch.ones(canaries, dtype=torch.bool), blocks, seeds[0])
+    outside = run_session(
+        settings, design, torch.zeros(canaries, dtype=torch.bool), blocks, seeds[1]
+    )
+    each = 1.0 - (1.0 - confidence) / 2.0
+    statistics = {
+        "canary update": (_canary_scores(inside, settings, canaries),
+                          _canary_scores(outside, settings, canaries)),
+        "noise scale": (_scale_scores(inside, settings, canaries),
+                        _scale_scores(outside, settings, canaries)),
+    }  # fmt: skip
+    bounds = {
+        name: _split_bound(scores_in, scores_out, settings.delta, each)
+        for name, (scores_in, scores_out) in statistics.items()
+        if scores_in.shape[1] > 0
+    }
+    name, best = max(bounds.items(), key=lambda item: item[1].epsilon_lower_bound)
+    notes = tuple(
+        f"{n}: ε̂ {b.epsilon_lower_bound:.3g}; {'; '.join(b.notes)}" for n, b in bounds.items()
+    )
+    return best.with_context(
+        confidence=confidence,
+        canaries=canaries,
+        runs=2,
+        seconds=time.perf_counter() - start,
+        claimed_epsilon=inside.claimed_block_epsilon,
+        threat_model="white-box",
+        notes=(
+            f"best statistic: {name}; each at confidence {each:.4g} (union bound)",
+            f"one trial = {settings.steps_per_block} step(s); ε̂ and the claim are for one trial",
+            *notes,
+        ),
+    )
+
+
+def one_run_audit(
+    settings: StepSettings,
+    canaries: int,
+    blocks: int,
+    probes: int,
+    confidence: float,
+    seed: int | None,
+) -> AuditResult:
+    """One session, each canary in with probability ½; ε̂ of the whole session."""
+    start = time.perf_counter()
+    design = design_for(settings, canaries, probes)
+    flips = torch.Generator()
+    if seed is None:
+        flips.seed()
+    else:
+        flips.manual_seed(seed)
+    included = torch.rand(canaries, generator=flips) < 0.5
+    session = run_session(settings, design, included, blocks, None if seed is None else seed + 1)
+    scores = _log_likelihood_ratios(session, settings, canaries)
+    result = score_and_guess(
+        scores, included.numpy(), settings.delta, confidence, threat_model="white-box"
+    )
+    return result.with_context(
+        runs=1,
+        seconds=time.perf_counter() - start,
+        claimed_epsilon=session.claimed_epsilon,
+        notes=(*result.notes, f"{blocks * settings.steps_per_block} steps, white-box updates"),
+    )
+
+
+def _canary_scores(session: Session, settings: StepSettings, canaries: int) -> np.ndarray:
+    """Each block's update on each canary coordinate: rows are blocks, columns canaries."""
+    return session.blocks(settings.steps_per_block)[:, :canaries]
+
+
+def _scale_scores(session: Session, settings: StepSettings, canaries: int) -> np.ndarray:
+    """−log of the probes' spread in each block (larger when the noise shrinks): one column."""
+    probes = session.blocks(settings.steps_per_block)[:, canaries:]
+    if probes.shape[1] < 2:
+        return np.empty((probes.shape[0], 0))
+    return -np.log(probes.std(axis=1, ddof=1) + 1e-300)[:, None]
+
+
+def _split_bound(
+    scores_in: np.ndarray, scores_out: np.ndarray, delta: float, confidence: float
+) -> AuditResult:
+    """Threshold chosen on the first blocks, bound evaluated on the rest ("≥ t" means in)."""
+    pilot_in, held_in = _split(scores_in)
+    pilot_out, held_out = _split(scores_out)
+    threshold = choose_threshold(pilot_in, pilot_out, delta, confidence)
+    bound = classical_epsilon_lower_bound(
+        int(np.sum(held_out >= threshold)),
+        held_out.size,
+        int(np.sum(held_in < threshold)),
+        held_in.size,
+        delta,
+        confidence,
+    )
+    return bound.with_context(notes=(*bound.notes, f"threshold {threshold:.4g}"))
+
+
+def _split(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first PILOT_SHARE of the blocks (flattened), and the rest."""
+    cut = max(1, min(scores.shape[0] - 1, round(PILOT_SHARE * scores.shape[0])))
+    return scores[:cut].ravel(), scores[cut:].ravel()
+
+
+def _log_likelihood_ratios(session: Session, settings: StepSettings, canaries: int) -> np.ndarray:
+    """Σ over blocks of log p_in(x)/p_out(x) under the claimed mechanism, per canary.
+
+    A DP-SGD step's canary coordinate is N(0, σ²) unsampled and N(μ, σ²) sampled (q = B/N; μ = 1
+    in, the relation's out mean out); a DP-FTRL epoch's is N(μ, v σ²) (always in it; v the tree's
+    prefix variance) and its ratio is linear in x.
+    """
+    x = _canary_scores(session, settings, canaries)
+    sigma2 = settings.noise_multiplier**2
+    low = out_mean(settings.relation)
+    if settings.algorithm == "dp-ftrl":
+        return ((1.0 - low) * x.sum(axis=0)) / sigma2
+    q = settings.batch_size / settings.records
+    return (_log_mixture(x, 1.0, q, sigma2) - _log_mixture(x, low, q, sigma2)).sum(axis=0)
+
+
+def _log_mixture(x: np.ndarray, mean: float, q: float, sigma2: float) -> np.ndarray:
+    """log[(1 − q) + q · N(x; mean, σ²)/N(x; 0, σ²)], stably."""
+    if q >= 1.0:
+        return (2.0 * mean * x - mean**2) / (2.0 * sigma2)
+    log_ratio = (2.0 * mean * x - mean**2) / (2.0 * sigma2)
+    return special.logsumexp(
+        np.stack([np.full_like(x, math.log1p(-q)), math.log(q) + log_ratio]), axis=0
+    )
+
+
+__all__ = ["audit_private_step", "classical_audit", "design_for", "one_run_audit"]
