@@ -23,6 +23,7 @@ from dpfy.jobs.train import accuracy, fresh_model, train_private
 from dpfy.plan.accounting.events import dpsgd_event
 from dpfy.report.facts import ResultFacts, collect_facts, record_clip_norms
 from dpfy.report.render import write_report
+from dpfy.report.run_parts import PublicInput
 from dpfy.train.builder import make_private
 from dpfy.tune.budget import composed_total
 from dpfy.tune.trial import TrialConfig
@@ -50,6 +51,7 @@ def train_final(
     *,
     dataset_name: str,
     total_budget: float | None = None,
+    public_inputs: tuple[PublicInput, ...] = (),
 ) -> dict[str, Any]:
     """Train ``config`` at ``target_epsilon``; record ``tuning`` in its ledger; maybe report.
 
@@ -116,6 +118,7 @@ def train_final(
             grad_norms=norms.stats(config.max_grad_norm),
             optimizer_name=config.optimizer,
             learning_rate=config.lr,
+            public_inputs=public_inputs,
         )
         written = write_report(facts, run_dir, history=history)
         result["report"] = str(written["markdown"])

@@ -22,12 +22,12 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dpfy.data.datasets import load_dataset
 from dpfy.plan.accounting.events import DpEvent
 from dpfy.tune.budget import BudgetSplit, plan_budget
 from dpfy.tune.clip_search import ClipChoice, ClipSearch
 from dpfy.tune.config import SEARCHES, TuneConfig, check_tune_config, parse_grid
 from dpfy.tune.cost import TuningAccounting, get_method
+from dpfy.tune.datasets import load_tuning_dataset
 from dpfy.tune.grid_edge import search_edges, warn_grid_edges
 from dpfy.tune.search import Search
 from dpfy.tune.splits import Splits, make_splits, resolved_delta
@@ -196,7 +196,8 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
         )
     out = prepare_run_dir(target)
     started = time.perf_counter()
-    data = load_dataset(config.dataset, data_dir=config.data_dir, limit=config.limit)
+    tuning_data = load_tuning_dataset(config.dataset, config.data_dir, config.limit)
+    data = tuning_data.data
     splits = make_splits(data, config, public=not method.private)
     size = len(splits.final.train)
     delta = resolved_delta(config, size)
@@ -225,6 +226,7 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
     final = train_final(
         chosen, splits.final, split.training_epsilon, delta, accountant, outcome,
         out / "final", console, dataset_name=data.name, total_budget=config.target_epsilon,
+        public_inputs=tuning_data.public_inputs,
     )  # fmt: skip
     baseline = None
     if config.compare_default:  # what not tuning gives: the whole budget on one run
