@@ -31,10 +31,12 @@ from dpfy.cli.finetune_command import finetune
 from dpfy.cli.train_output import PITFALL_EXIT
 from dpfy.federated.config import SERVER_OPTIMIZER_NAMES, FederatedConfig
 from dpfy.jobs.config import (
+    ACCESS_NAMES,
     ALGORITHM_NAMES,
     CONFIG_FILE,
     DATASET_NAMES,
     ENGINE_NAMES,
+    LABEL_MECHANISM_NAMES,
     MAX_EPOCHS,
     MODEL_NAMES,
     OPTIMIZER_NAMES,
@@ -276,6 +278,8 @@ TuneDatasetChoice = _choices("TuneDatasetChoice", TUNING_DATASET_NAMES)
 ModelChoice = _choices("ModelChoice", MODEL_NAMES)
 EngineChoice = _choices("EngineChoice", ENGINE_NAMES)
 AlgorithmChoice = _choices("AlgorithmChoice", ALGORITHM_NAMES)
+AccessChoice = _choices("AccessChoice", ACCESS_NAMES)
+LabelMechanismChoice = _choices("LabelMechanismChoice", LABEL_MECHANISM_NAMES)
 SearchChoice = _choices("SearchChoice", SEARCH_NAMES)
 TuningMethodChoice = _choices("TuningMethodChoice", TUNING_METHOD_NAMES)
 DistributionChoice = _choices("DistributionChoice", DISTRIBUTION_NAMES)
@@ -287,6 +291,8 @@ _OPTIMIZER = OptimizerChoice(_TRAIN.optimizer)
 _DATASET, _MODEL = DatasetChoice(_TRAIN.dataset), ModelChoice(_TRAIN.model)
 _ENGINE, _UNIT = EngineChoice(_TRAIN.engine), UnitChoice(_TRAIN.unit)
 _ALGORITHM = AlgorithmChoice(_TRAIN.algorithm)
+_ACCESS = AccessChoice(_TRAIN.access)
+_LABEL_MECHANISM = LabelMechanismChoice(_TRAIN.label_mechanism)
 
 
 class ReportFormat(str, Enum):
@@ -417,6 +423,17 @@ def train(
     algorithm: Annotated[
         AlgorithmChoice, typer.Option(help="dp-sgd, or dp-ftrl (no sampling assumption).")
     ] = _ALGORITHM,
+    access: Annotated[
+        AccessChoice,
+        typer.Option(help="Where DP applies: full (DP-SGD), label (labels only), input (records)."),
+    ] = _ACCESS,
+    label_mechanism: Annotated[
+        LabelMechanismChoice, typer.Option(help="--access label: rr, or rr-prior (in stages).")
+    ] = _LABEL_MECHANISM,
+    stages: Annotated[int, typer.Option(help="--label-mechanism rr-prior: stages.")] = 1,
+    features_public: Annotated[
+        bool, typer.Option("--features-public", help="Declare the features public (label DP).")
+    ] = False,
     resume: Annotated[
         Path | None,
         typer.Option(metavar="RUN_DIR", help="Continue this interrupted run from its checkpoint."),
@@ -429,8 +446,8 @@ def train(
     as_json: JsonOption = False,
 ) -> None:
     from dpfy.cli.train_output import Output, print_interrupted, print_result
+    from dpfy.jobs.access import access_job
     from dpfy.jobs.outcome import Interrupted
-    from dpfy.jobs.train import run_training
 
     values = {k: v for k, v in locals().items() if k in ctx.params}
     output = Output.json if as_json else Output.quiet if quiet else Output.summary
@@ -440,7 +457,7 @@ def train(
         config = _train_config(ctx, values, resume, config_file)
         console = Console(soft_wrap=True, quiet=output is not Output.summary)
         try:
-            result = run_training(config, console, resume=resume)
+            result = access_job(config.access)(config, console, resume=resume)
         except Interrupted as stop:
             print_interrupted(stop, output)
             raise typer.Exit(INTERRUPTED_EXIT) from None
