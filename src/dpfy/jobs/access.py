@@ -17,6 +17,7 @@ ACCESS_JOBS: dict[str, str] = {
     "full": "dpfy.jobs.train:run_training",
     "label": "dpfy.jobs.access_runs:run_label_training",
     "input": "dpfy.jobs.access_runs:run_input_training",
+    "prediction": "dpfy.jobs.prediction_job:run_prediction_training",
 }
 
 #: The access models ``dpfy train --access`` offers, full training first (the default).
