@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from torch.utils.data import TensorDataset
 from dpfy.access import ConfidentGNMax, GNMax, PrivateEnsemble, QueryBudgetExhausted, QueryLedger
 from dpfy.access.prediction_aggregator import UNANSWERED
 from dpfy.access.prediction_partition import assign_partitions, partition_indices
+from dpfy.train.models import build_model
 from dpfy.train.noise.source import TorchNoise
 
 dpa = pytest.importorskip("dp_accounting")
@@ -249,3 +251,32 @@ def test_a_saved_ensemble_whose_teachers_changed_is_refused(tmp_path):
     torch.save(state, path)
     with pytest.raises(ValueError, match="another ensemble"):
         PrivateEnsemble.load(path, lambda: nn.Linear(4, 3))
+
+
+# -- the job ------------------------------------------------------------------------------------
+
+
+def test_the_prediction_job_answers_the_test_split_until_the_budget_and_reports_it(tmp_path):
+    from dpfy.jobs.access import access_job
+    from dpfy.jobs.config import TrainConfig
+
+    config = TrainConfig(
+        dataset="digits", epochs=2, target_epsilon=4.0, seed=0, out=tmp_path / "run",
+        access="prediction",
+    )  # fmt: skip
+    result = access_job("prediction")(config)
+    run = result.run_dir
+    report = (run / "report.md").read_text(encoding="utf-8")
+    assert "only the served answers are protected" in report and "never released" in report
+    assert "Refused: query budget exhausted" in report
+    document = json.loads((run / "report.json").read_text(encoding="utf-8"))
+    answered = document["queries_answered"]
+    assert 0 < answered == document["capacity"] < document["queries_offered"] == 360
+    assert len(json.loads((run / "answers.json").read_text(encoding="utf-8"))["labels"]) == answered
+    assert result.epsilon <= 4.0 and result.steps == answered
+    config_file = json.loads((run / "config.json").read_text(encoding="utf-8"))
+    model = lambda: build_model(config_file["model"], (1, 8, 8), 10)  # noqa: E731
+    served = PrivateEnsemble.load(run / "ensemble.pt", model)
+    assert served.ledger.state_dict() == json.loads((run / "ledger.json").read_text("utf-8"))
+    with pytest.raises(QueryBudgetExhausted):
+        served.answer(torch.zeros(1, 1, 8, 8))
