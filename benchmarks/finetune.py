@@ -14,6 +14,10 @@ choice made by looking at these test accuracies would itself be tuning on held-o
 
     .venv/bin/python benchmarks/finetune.py                       # head, 20 epochs, B 1024
     .venv/bin/python benchmarks/finetune.py --mode last-1 --epochs 3
+
+The other table of issue 18, step time and peak memory of fine-tuning (MiniLM full / last-2 /
+LoRA, ResNet-18-GN, GPT-2 small) against non-private and Opacus, is
+``benchmarks/finetune_speed.py``.
 """
 
 from __future__ import annotations
