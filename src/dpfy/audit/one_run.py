@@ -99,13 +99,16 @@ def score_and_guess(
     *,
     ks: Sequence[int] | None = None,
     threat_model: str = "black-box",
+    seed: int = 0,
 ) -> AuditResult:
     """ε̂ of a one-run audit: guess the top k scores "in" and the bottom k "out", best k.
 
     Higher scores must mean "more likely included". Each k in ``ks`` (default
     :func:`guess_counts`) is evaluated at confidence 1 − (1 − confidence)/len(ks), so the best
     of them holds at ``confidence`` (union bound). ``included`` is the coin flip of each canary,
-    used only to score the guesses — never to make them.
+    used only to score the guesses — never to make them: tied scores are ordered by a random
+    permutation drawn from ``seed``, not by position, since a caller's order (members first)
+    may itself reveal who is in.
     """
     scores = np.asarray(scores, dtype=float)
     mask = np.asarray(included)
@@ -122,7 +125,8 @@ def score_and_guess(
     if not tried or any(not 1 <= check_count("k", k) <= m // 2 for k in tried):
         raise ValueError(f"each k must lie in [1, {m // 2}] (2k guesses of {m} canaries)")
     each = 1.0 - (1.0 - confidence) / len(tried)
-    order = np.argsort(-scores, kind="stable")
+    tie_break = np.random.default_rng(seed).permutation(m)
+    order = np.lexsort((tie_break, -scores))
     best: tuple[float, int, int] = (-1.0, 0, 0)
     for k in tried:
         correct = int(mask[order[:k]].sum() + (~mask[order[m - k :]]).sum())
