@@ -76,6 +76,16 @@ class StepSettings:
             loss_reduction=plan.loss_reduction,
         )
 
+    def calibrated(self, epsilon: float) -> StepSettings:
+        """These settings with σ calibrated so that one block (one trial) claims ``epsilon``.
+
+        Calibrated by make_private itself (its accountant and resolver), on the audit records.
+        """
+        rows = torch.zeros(self.records, 1)
+        private = _private_session(self, CanaryModel(1), rows, self.steps_per_block, 0, epsilon)
+        private.engine.detach()
+        return dataclasses.replace(self, noise_multiplier=private.plan.noise_multiplier)
+
     @property
     def steps_per_block(self) -> int:
         """Steps of one independent trial: one step, or one epoch of DP-FTRL's trees.
@@ -123,18 +133,22 @@ def run_session(
     block_epsilon = math.nan
     step = 0
     previous = model.weights.clone()
-    for batch in rest_of_run(private.loader):
-        private.optimizer.zero_grad()
-        _loss(model(batch), settings.loss_reduction).backward()
-        private.optimizer.step()
-        current = model.weights.clone()
-        updates[step] = (previous - current).numpy()
-        previous = current
-        step += 1
-        if step == settings.steps_per_block:
-            block_epsilon = private.epsilon()
+    with warnings.catch_warnings():  # the audited run's own choices were warned about already
+        warnings.simplefilter("ignore")
+        for batch in rest_of_run(private.loader):
+            private.optimizer.zero_grad()
+            _loss(model(batch), settings.loss_reduction).backward()
+            private.optimizer.step()
+            current = model.weights.clone()
+            updates[step] = (previous - current).numpy()
+            previous = current
+            step += 1
+            if step == settings.steps_per_block:
+                block_epsilon = private.epsilon()
+        claimed = private.epsilon()
+    private.engine.detach()
     scale = settings.batch_size / settings.max_grad_norm
-    return Session(updates[:step] * scale, block_epsilon, private.epsilon())
+    return Session(updates[:step] * scale, block_epsilon, claimed)
 
 
 def _private_session(
@@ -143,8 +157,12 @@ def _private_session(
     rows: torch.Tensor,
     steps: int,
     seed: int | None,
+    target_epsilon: float | None = None,
 ):  # -> PrivateTraining (not imported: its module is the builder's)
-    """make_private with the audited run's settings on the canary records (SGD, lr 1)."""
+    """make_private with the audited run's settings on the canary records (SGD, lr 1).
+
+    With ``target_epsilon`` σ is calibrated to it instead of taken from the settings.
+    """
     dataset = _Rows(rows)
     options = dataclasses.asdict(settings)
     user_ids = torch.arange(rows.shape[0]) if settings.unit == "user" else None
@@ -157,7 +175,8 @@ def _private_session(
             batch_size=settings.batch_size,
             delta=settings.delta,
             max_grad_norm=settings.max_grad_norm,
-            noise_multiplier=settings.noise_multiplier,
+            noise_multiplier=None if target_epsilon is not None else settings.noise_multiplier,
+            target_epsilon=target_epsilon,
             steps=steps,
             accountant=settings.accountant,
             sampler=options["sampler"],

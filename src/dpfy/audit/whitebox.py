@@ -53,6 +53,8 @@ from dpfy.audit.result import AuditResult
 
 #: Share of each session's blocks that chooses the threshold (the rest evaluate it).
 PILOT_SHARE = 0.2
+#: The classical audit's statistics (higher means "the canaries were in").
+STATISTICS = ("canary update", "noise scale")
 
 
 def audit_private_step(
@@ -64,13 +66,15 @@ def audit_private_step(
     probes: int = 64,
     confidence: float = 0.95,
     seed: int | None = None,
+    statistics: tuple[str, ...] = STATISTICS,
 ) -> AuditResult:
     """ε̂ of the run's private step (classical: of one block; one-run: of ``blocks`` blocks).
 
-    ``seed`` makes the audit reproducible (leave it None to draw from the OS).
+    ``seed`` makes the audit reproducible (leave it None to draw from the OS); ``statistics``
+    are the classical audit's (each costs a share of the confidence).
     """
     if method == "classical":
-        return classical_audit(settings, canaries, blocks, probes, confidence, seed)
+        return classical_audit(settings, canaries, blocks, probes, confidence, seed, statistics)
     if method == "one-run":
         return one_run_audit(settings, canaries, blocks, probes, confidence, seed)
     raise ValueError(f"method must be 'classical' or 'one-run', got {method!r}")
@@ -97,8 +101,12 @@ def classical_audit(
     probes: int,
     confidence: float,
     seed: int | None,
+    statistics: tuple[str, ...] = STATISTICS,
 ) -> AuditResult:
     """Sessions with all canaries in and all out; ε̂ of one block (see the module docstring)."""
+    unknown = sorted(set(statistics) - set(STATISTICS)) or ([] if statistics else ["(none)"])
+    if unknown:
+        raise ValueError(f"statistics must be among {list(STATISTICS)}, got {unknown}")
     start = time.perf_counter()
     design = design_for(settings, canaries, probes)
     seeds = (None, None) if seed is None else (2 * seed, 2 * seed + 1)
@@ -106,8 +114,8 @@ def classical_audit(
     outside = run_session(
         settings, design, torch.zeros(canaries, dtype=torch.bool), blocks, seeds[1]
     )
-    each = 1.0 - (1.0 - confidence) / 2.0
-    statistics = {
+    each = 1.0 - (1.0 - confidence) / len(statistics)
+    observed = {
         "canary update": (_canary_scores(inside, settings, canaries),
                           _canary_scores(outside, settings, canaries)),
         "noise scale": (_scale_scores(inside, settings, canaries),
@@ -115,9 +123,11 @@ def classical_audit(
     }  # fmt: skip
     bounds = {
         name: _split_bound(scores_in, scores_out, settings.delta, each)
-        for name, (scores_in, scores_out) in statistics.items()
-        if scores_in.shape[1] > 0
+        for name, (scores_in, scores_out) in observed.items()
+        if name in statistics and scores_in.shape[1] > 0
     }
+    if not bounds:
+        raise ValueError("the noise-scale statistic needs at least 2 probes; pass probes=64")
     name, best = max(bounds.items(), key=lambda item: item[1].epsilon_lower_bound)
     notes = tuple(
         f"{n}: ε̂ {b.epsilon_lower_bound:.3g}; {'; '.join(b.notes)}" for n, b in bounds.items()
