@@ -95,6 +95,12 @@ def audit_rows(design: CanaryDesign, included: torch.Tensor, relation: str) -> t
 
     The out side of canary k is its relation's (:data:`OUT_SIDES`): removed, zeroed, negated.
     """
+    blanks = torch.zeros(design.blanks, design.coordinates)
+    return torch.cat([canary_rows(design, included, relation), blanks])
+
+
+def canary_rows(design: CanaryDesign, included: torch.Tensor, relation: str) -> torch.Tensor:
+    """The canaries' rows alone (the blanks, all zeros, follow them in the dataset)."""
     if relation not in OUT_SIDES:
         raise ValueError(
             f"no white-box canary is defined for the relation {relation!r}; "
@@ -109,13 +115,10 @@ def audit_rows(design: CanaryDesign, included: torch.Tensor, relation: str) -> t
     diracs = torch.eye(design.canaries, design.coordinates) * design.scale
     side = OUT_SIDES[relation]
     if side == "negated":
-        canary_rows = torch.where(included[:, None], diracs, -diracs)
-    elif side == "zeroed":
-        canary_rows = diracs * included[:, None]
-    else:
-        canary_rows = diracs[included]
-    blanks = torch.zeros(design.blanks, design.coordinates)
-    return torch.cat([canary_rows, blanks])
+        return torch.where(included[:, None], diracs, -diracs)
+    if side == "zeroed":
+        return diracs * included[:, None]
+    return diracs[included]
 
 
 def out_mean(relation: str) -> float:
@@ -123,4 +126,4 @@ def out_mean(relation: str) -> float:
     return -1.0 if OUT_SIDES.get(relation) == "negated" else 0.0
 
 
-__all__ = ["OUT_SIDES", "CanaryDesign", "CanaryModel", "audit_rows", "out_mean"]
+__all__ = ["OUT_SIDES", "CanaryDesign", "CanaryModel", "audit_rows", "canary_rows", "out_mean"]

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dpfy.audit.canaries import CanaryDesign, CanaryModel, audit_rows
+from dpfy.audit.canaries import CanaryDesign, CanaryModel, canary_rows
 from dpfy.data.loader import rest_of_run
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.train.builder import make_private
@@ -81,7 +82,7 @@ class StepSettings:
 
         Calibrated by make_private itself (its accountant and resolver), on the audit records.
         """
-        rows = torch.zeros(self.records, 1)
+        rows = _Rows(torch.zeros(0, 1), self.records)
         private = _private_session(self, CanaryModel(1), rows, self.steps_per_block, 0, epsilon)
         private.engine.detach()
         return dataclasses.replace(self, noise_multiplier=private.plan.noise_multiplier)
@@ -123,9 +124,13 @@ def run_session(
     included: torch.Tensor,
     blocks: int,
     seed: int | None,
+    on_step: Callable[[], None] | None = None,
 ) -> Session:
-    """Train the audit model for ``blocks`` trials on the canaries in ``included`` and watch it."""
-    rows = audit_rows(design, included, settings.relation)
+    """Train the audit model for ``blocks`` trials on the canaries in ``included`` and watch it.
+
+    ``on_step`` is called after every step (a progress bar).
+    """
+    rows = _Rows(canary_rows(design, included, settings.relation), design.blanks)
     steps = blocks * settings.steps_per_block
     model = CanaryModel(design.coordinates)
     private = _private_session(settings, model, rows, steps, seed)
@@ -143,6 +148,8 @@ def run_session(
             updates[step] = (previous - current).numpy()
             previous = current
             step += 1
+            if on_step is not None:
+                on_step()
             if step == settings.steps_per_block:
                 block_epsilon = private.epsilon()
         claimed = private.epsilon()
@@ -154,7 +161,7 @@ def run_session(
 def _private_session(
     settings: StepSettings,
     model: CanaryModel,
-    rows: torch.Tensor,
+    rows: _Rows,
     steps: int,
     seed: int | None,
     target_epsilon: float | None = None,
@@ -163,15 +170,14 @@ def _private_session(
 
     With ``target_epsilon`` σ is calibrated to it instead of taken from the settings.
     """
-    dataset = _Rows(rows)
     options = dataclasses.asdict(settings)
-    user_ids = torch.arange(rows.shape[0]) if settings.unit == "user" else None
+    user_ids = torch.arange(len(rows)) if settings.unit == "user" else None
     with warnings.catch_warnings():  # δ ≥ 1/N is the audited run's choice, not the audit's
         warnings.simplefilter("ignore", UserWarning)
         return make_private(
             model,
             torch.optim.SGD(model.parameters(), lr=1.0),
-            dataset,
+            rows,
             batch_size=settings.batch_size,
             delta=settings.delta,
             max_grad_norm=settings.max_grad_norm,
@@ -192,19 +198,27 @@ def _private_session(
 
 
 class _Rows(torch.utils.data.Dataset):
-    """The audit's rows; a batch is fetched in one indexing (``__getitems__``), not row by row."""
+    """The canaries' rows, then ``blanks`` rows of zeros made when fetched (never all stored).
 
-    def __init__(self, rows: torch.Tensor) -> None:
-        self.rows = rows
+    A batch is fetched in one indexing (``__getitems__``), not row by row.
+    """
+
+    def __init__(self, canaries: torch.Tensor, blanks: int) -> None:
+        self.canaries = canaries
+        self.blanks = blanks
 
     def __len__(self) -> int:
-        return self.rows.shape[0]
+        return self.canaries.shape[0] + self.blanks
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self.rows[index]
+        return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
-        return self.rows[torch.as_tensor(indices, dtype=torch.long)]
+        index = torch.as_tensor(indices, dtype=torch.long)
+        rows = torch.zeros(index.numel(), self.canaries.shape[1])
+        mine = index < self.canaries.shape[0]
+        rows[mine] = self.canaries[index[mine]]
+        return rows
 
 
 def _collate(samples: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -67,17 +68,26 @@ def audit_private_step(
     confidence: float = 0.95,
     seed: int | None = None,
     statistics: tuple[str, ...] = STATISTICS,
+    on_step: Callable[[], None] | None = None,
 ) -> AuditResult:
     """ε̂ of the run's private step (classical: of one block; one-run: of ``blocks`` blocks).
 
     ``seed`` makes the audit reproducible (leave it None to draw from the OS); ``statistics``
-    are the classical audit's (each costs a share of the confidence).
+    are the classical audit's (each costs a share of the confidence); ``on_step`` is called
+    after every audited step (:func:`audit_steps` of them: a progress bar).
     """
     if method == "classical":
-        return classical_audit(settings, canaries, blocks, probes, confidence, seed, statistics)
+        return classical_audit(
+            settings, canaries, blocks, probes, confidence, seed, statistics, on_step
+        )
     if method == "one-run":
-        return one_run_audit(settings, canaries, blocks, probes, confidence, seed)
+        return one_run_audit(settings, canaries, blocks, probes, confidence, seed, on_step)
     raise ValueError(f"method must be 'classical' or 'one-run', got {method!r}")
+
+
+def audit_steps(settings: StepSettings, method: str, blocks: int) -> int:
+    """How many private steps an audit takes: two sessions (classical) or one (one-run)."""
+    return (2 if method == "classical" else 1) * blocks * settings.steps_per_block
 
 
 def design_for(settings: StepSettings, canaries: int, probes: int) -> CanaryDesign:
@@ -102,6 +112,7 @@ def classical_audit(
     confidence: float,
     seed: int | None,
     statistics: tuple[str, ...] = STATISTICS,
+    on_step: Callable[[], None] | None = None,
 ) -> AuditResult:
     """Sessions with all canaries in and all out; ε̂ of one block (see the module docstring)."""
     unknown = sorted(set(statistics) - set(STATISTICS)) or ([] if statistics else ["(none)"])
@@ -110,10 +121,9 @@ def classical_audit(
     start = time.perf_counter()
     design = design_for(settings, canaries, probes)
     seeds = (None, None) if seed is None else (2 * seed, 2 * seed + 1)
-    inside = run_session(settings, design, torch.ones(canaries, dtype=torch.bool), blocks, seeds[0])
-    outside = run_session(
-        settings, design, torch.zeros(canaries, dtype=torch.bool), blocks, seeds[1]
-    )
+    every = torch.ones(canaries, dtype=torch.bool)
+    inside = run_session(settings, design, every, blocks, seeds[0], on_step)
+    outside = run_session(settings, design, ~every, blocks, seeds[1], on_step)
     each = 1.0 - (1.0 - confidence) / len(statistics)
     observed = {
         "canary update": (_canary_scores(inside, settings, canaries),
@@ -154,6 +164,7 @@ def one_run_audit(
     probes: int,
     confidence: float,
     seed: int | None,
+    on_step: Callable[[], None] | None = None,
 ) -> AuditResult:
     """One session, each canary in with probability ½; ε̂ of the whole session."""
     start = time.perf_counter()
@@ -164,7 +175,9 @@ def one_run_audit(
     else:
         flips.manual_seed(seed)
     included = torch.rand(canaries, generator=flips) < 0.5
-    session = run_session(settings, design, included, blocks, None if seed is None else seed + 1)
+    session = run_session(
+        settings, design, included, blocks, None if seed is None else seed + 1, on_step
+    )
     scores = _log_likelihood_ratios(session, settings, canaries)
     result = score_and_guess(
         scores, included.numpy(), settings.delta, confidence, threat_model="white-box"
@@ -240,4 +253,11 @@ def _log_mixture(x: np.ndarray, mean: float, q: float, sigma2: float) -> np.ndar
     )
 
 
-__all__ = ["audit_private_step", "classical_audit", "design_for", "one_run_audit"]
+__all__ = [
+    "STATISTICS",
+    "audit_private_step",
+    "audit_steps",
+    "classical_audit",
+    "design_for",
+    "one_run_audit",
+]

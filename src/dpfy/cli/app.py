@@ -26,6 +26,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from dpfy import __version__
+from dpfy.cli.audit_command import audit
 from dpfy.cli.choices import choices
 from dpfy.cli.finetune_command import finetune
 from dpfy.cli.train_output import PITFALL_EXIT
@@ -622,6 +623,7 @@ def federated(
 
 
 app.command(name="finetune")(finetune)
+app.command(name="audit")(audit)
 
 
 def main() -> None:

@@ -1,0 +1,158 @@
+"""``dpfy audit RUN_DIR``: re-run a finished run's private step with canaries, ε̂ into its report.
+
+The run's facts (``facts.json``, written by ``dpfy train``) hold its plan: N, B (so q), σ, C, δ,
+the sampler, the algorithm, the clipping unit and the noise mechanism. The audit rebuilds that
+private step with :func:`dpfy.train.builder.make_private` on white-box canary records
+(:mod:`dpfy.audit.whitebox`) — its own small canary model, never the trained one, so the run's
+model and its utility are untouched — and appends each :class:`~dpfy.audit.result.AuditResult`
+to the facts, re-rendering ``report.md`` and ``report.json`` and writing ``audit.json``.
+The audit's sessions spend no privacy of the run's data: they see only canaries and blanks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dpfy.audit.observe import StepSettings, run_session
+from dpfy.audit.result import AuditResult
+from dpfy.audit.whitebox import audit_private_step, audit_steps, design_for
+from dpfy.report.facts import RunFacts
+from dpfy.report.render import FACTS_FILE, write_report
+
+#: The audit's own file in the run directory: every audit recorded so far.
+AUDIT_FILE = "audit.json"
+#: What ``--method`` may name.
+AUDIT_METHODS = ("classical", "one-run", "both")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """What ``dpfy audit`` was asked: method, canaries, trials (blocks), confidence, seed."""
+
+    method: str = "classical"
+    canaries: int = 100
+    blocks: int = 200
+    probes: int = 64
+    confidence: float = 0.95
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in AUDIT_METHODS:
+            raise ValueError(f"--method must be one of {', '.join(AUDIT_METHODS)}")
+        if self.canaries < 1 or self.blocks < 5:
+            raise ValueError("--canaries must be ≥ 1 and --blocks ≥ 5 (a fifth picks a threshold)")
+        if not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"--confidence must lie in (0, 1), got {self.confidence}")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The audits to run, in order."""
+        return ("classical", "one-run") if self.method == "both" else (self.method,)
+
+
+@dataclass(frozen=True)
+class AuditCost:
+    """What the audit will cost, stated before it starts."""
+
+    settings: StepSettings
+    canaries: int
+    steps: int
+    seconds: float
+
+    def lines(self) -> list[str]:
+        """The cost as sentences for the terminal."""
+        s = self.settings
+        return [
+            f"re-runs the run's private step ({s.algorithm} per {s.unit}, N = {s.records}, "
+            f"B = {s.batch_size}, σ = {s.noise_multiplier:.4g}, C = {s.max_grad_norm:g}) on "
+            f"{self.canaries} canaries: {self.steps} steps, about {self.seconds:.0f} s",
+            "the canaries go into a separate canary model, not the trained one: the run's "
+            "model, accuracy and privacy ledger are unchanged",
+        ]
+
+
+def load_run(run_dir: Path) -> RunFacts:
+    """The run's facts (ε recomputed from its ledger), or one error naming the fix."""
+    if not (run_dir / FACTS_FILE).is_file():
+        raise ValueError(f"{run_dir} holds no {FACTS_FILE}; pass a run directory of `dpfy train`")
+    return RunFacts.load(run_dir / FACTS_FILE)
+
+
+def plan_cost(facts: RunFacts, config: AuditConfig) -> AuditCost:
+    """The audited step's settings, the canaries that fit, and a timed estimate of the cost."""
+    settings = StepSettings.from_plan(facts.privacy)
+    canaries = fitted_canaries(settings, config.canaries)
+    steps = sum(audit_steps(settings, m, config.blocks) for m in config.methods)
+    return AuditCost(settings, canaries, steps, steps * _seconds_per_step(settings, canaries))
+
+
+def fitted_canaries(settings: StepSettings, wanted: int) -> int:
+    """At most ``wanted``; with removal, at most N − B (the out side must still fill a batch)."""
+    if settings.relation != "add-or-remove":
+        return min(wanted, settings.records)
+    room = settings.records - settings.batch_size
+    if room < 1:
+        raise ValueError(
+            f"the run samples every record each step (B = N = {settings.records}), so removing "
+            "a canary leaves no full batch: audit a run with B < N"
+        )
+    return min(wanted, room)
+
+
+def _seconds_per_step(settings: StepSettings, canaries: int) -> float:
+    """Time a few steps of the audit session (the estimate the user is shown)."""
+    design = design_for(settings, canaries, 2)
+    blocks = max(1, math.ceil(4 / settings.steps_per_block))
+    start = time.perf_counter()
+    run_session(settings, design, torch.ones(canaries, dtype=torch.bool), blocks, 0)
+    return (time.perf_counter() - start) / (blocks * settings.steps_per_block)
+
+
+def run_audit(
+    cost: AuditCost, config: AuditConfig, on_step: Callable[[], None] | None = None
+) -> tuple[AuditResult, ...]:
+    """Every audit ``config`` asks for, on the step ``cost`` describes."""
+    return tuple(
+        audit_private_step(
+            cost.settings,
+            method=method,
+            canaries=cost.canaries,
+            blocks=config.blocks,
+            probes=config.probes,
+            confidence=config.confidence,
+            seed=config.seed,
+            on_step=on_step,
+        )
+        for method in config.methods
+    )
+
+
+def record_audits(run_dir: Path, facts: RunFacts, results: tuple[AuditResult, ...]) -> Path:
+    """Append the audits to the run's facts, re-render its report, write audit.json."""
+    updated = dataclasses.replace(facts, audits=(*facts.audits, *results))
+    write_report(updated, run_dir, plots=False)
+    target = run_dir / AUDIT_FILE
+    rows = [audit.to_dict() for audit in updated.audits]
+    target.write_text(json.dumps({"audits": rows}, indent=2, ensure_ascii=False) + "\n")
+    return target
+
+
+__all__ = [
+    "AUDIT_FILE",
+    "AUDIT_METHODS",
+    "AuditConfig",
+    "AuditCost",
+    "fitted_canaries",
+    "load_run",
+    "plan_cost",
+    "record_audits",
+    "run_audit",
+]
