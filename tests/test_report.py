@@ -436,6 +436,7 @@ SCHEMA_KEYS = {
     "assumptions",
     "epsilon",
     "epsilon_table",
+    "empirical_audit",
     "hyperparameters",
     "software",
     "pitfalls",

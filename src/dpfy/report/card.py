@@ -32,6 +32,10 @@ strings "inf"/"nan" when unbounded, or null where not applicable)::
                       (null for DP-FTRL, which assumes no sampling), proven_total,
                       statement}                                                         §5.4.2
     epsilon_table:   {rows: [{delta, pld, rdp}], notes: [str], statement}
+    empirical_audit: {audits: [{method, threat_model, epsilon_lower_bound, confidence, delta,
+                      claimed_epsilon, canaries, runs, guesses, correct, seconds, notes,
+                      method_description, threat_model_description, exceeds_claim,
+                      statement}], any_exceeds_claim, statement}
     hyperparameters: {dataset_size, sampling_rate, expected_batch_size, noise_multiplier,
                       max_grad_norm, steps, epochs, optimizer, learning_rate,
                       microbatch_size, loss_reduction, sampler,
@@ -49,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpfy.report import accounting_sections, run_sections, setting_sections
+from dpfy.report import accounting_sections, audit_sections, run_sections, setting_sections
 from dpfy.report.facts import RunFacts
 from dpfy.report.json_codec import json_safe
 from dpfy.report.pitfalls import Finding, Severity, find_pitfalls
@@ -66,6 +70,7 @@ SECTIONS: dict[str, Section] = {
     for spec in (
         *setting_sections.SECTIONS,
         *accounting_sections.SECTIONS,
+        *audit_sections.SECTIONS,
         *run_sections.SECTIONS,
     )
 }

@@ -33,6 +33,7 @@ from dpfy._validate import (
     check_range,
     check_sampling_rate,
 )
+from dpfy.audit.result import AuditResult
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.report.access_facts import AccessFacts
 from dpfy.report.accounting import (
@@ -92,6 +93,7 @@ class RunFacts:
     results: ResultFacts = field(default_factory=ResultFacts)
     grad_norms: GradNormStats | None = None
     public_inputs: tuple[PublicInput, ...] = ()  # pretrained weights, tokenizer: not private
+    audits: tuple[AuditResult, ...] = ()  # empirical ε̂ beside the claim (dpfy audit)
     access: AccessFacts = field(default_factory=AccessFacts)  # guide §3.2: what ε protects
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,6 +130,7 @@ class RunFacts:
                 "results": lambda d: build(ResultFacts, d, where="results"),
                 "grad_norms": optional(lambda d: build(GradNormStats, d, where="grad_norms")),
                 "public_inputs": tuple_of(PublicInput, "public_inputs"),
+                "audits": tuple_of(AuditResult, "audits", AuditResult.from_dict),
                 "access": AccessFacts.from_dict,
             },
         )

@@ -1,0 +1,124 @@
+"""The report card's "Empirical audit" section: each ε̂ beside the ε the run claims.
+
+An ε is a proof about the mechanism as written; an audit is evidence about the code that ran.
+The section states each audit's lower bound ε̂, its confidence, method and cost beside the
+claimed ε, and says what the comparison means: ε̂ ≤ ε is consistent with the claim but proves
+nothing (a weak attack finds little even against a broken run), while ε̂ > ε at confidence c
+happens to a correct run with probability at most 1 − c — it means a bug.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dpfy.audit.result import METHODS, THREAT_MODELS, AuditResult
+from dpfy.report.sections import section, show_epsilon, show_value
+
+if TYPE_CHECKING:
+    from dpfy.report.facts import RunFacts
+    from dpfy.report.pitfalls import Finding
+    from dpfy.report.wording import Wording
+
+NONE_RECORDED = (
+    "No empirical audit is recorded for this run. An audit (dpfy.audit) attacks the run with "
+    "canaries or membership inference and states a lower bound ε̂ on the ε the code really has."
+)
+EVIDENCE_NOT_PROOF = (
+    "ε̂ ≤ ε is evidence that the run is correct, not proof: an audit bounds ε from below, and an "
+    "attack that finds little says nothing about attacks it did not try."
+)
+
+
+def claimed_epsilon(audit: AuditResult, facts: RunFacts) -> float | None:
+    """The ε the audit is compared with: its own claim, else the run's total ε at the same δ.
+
+    An audit of one step or block states that part's claimed ε itself; without one, only the
+    run's ε at exactly the audit's δ is comparable.
+    """
+    if audit.claimed_epsilon is not None:
+        return audit.claimed_epsilon
+    summary = facts.accounting.summary
+    return summary.total_epsilon if audit.delta == summary.delta else None
+
+
+def verdict(audit: AuditResult, claim: float | None) -> str:
+    """One sentence: what this ε̂ says about this claim."""
+    eps_hat, conf = show_epsilon(audit.epsilon_lower_bound), f"{audit.confidence:.4g}"
+    if claim is None:
+        return (
+            f"ε̂ = {eps_hat} at δ = {audit.delta:g} ({conf} confidence); the run states no ε at "
+            "this δ to compare it with."
+        )
+    if audit.epsilon_lower_bound > claim:
+        return (
+            f"ε̂ = {eps_hat} EXCEEDS the claimed ε = {show_epsilon(claim)}: the code leaks more "
+            f"than its accounting says. A correct run shows this with probability at most "
+            f"{1 - audit.confidence:.2g}, so treat it as a bug in the private step, the sampler "
+            "or the accounting, and do not publish the claim until it is found."
+        )
+    return (
+        f"ε̂ = {eps_hat} ≤ claimed ε = {show_epsilon(claim)} at {conf} confidence: consistent "
+        "with the claim."
+    )
+
+
+def _audit_row(audit: AuditResult, facts: RunFacts) -> dict[str, Any]:
+    """One audit as JSON: its figures, its claim and the sentence comparing them."""
+    claim = claimed_epsilon(audit, facts)
+    return {
+        **audit.to_dict(),
+        "claimed_epsilon": claim,
+        "method_description": METHODS[audit.method],
+        "threat_model_description": THREAT_MODELS[audit.threat_model],
+        "exceeds_claim": claim is not None and audit.epsilon_lower_bound > claim,
+        "statement": verdict(audit, claim),
+    }
+
+
+def _render_audits(data: dict[str, Any]) -> list[str]:
+    """A table of ε̂ beside claimed ε, then each audit's verdict and notes, then the caveat."""
+    if not data["audits"]:
+        return [data["statement"]]
+    lines = [
+        "| method | access | ε̂ (lower bound) | claimed ε | δ | confidence | canaries | runs "
+        "| seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["audits"]:
+        eps_hat, claim = (
+            show_epsilon(row["epsilon_lower_bound"]),
+            show_epsilon(row["claimed_epsilon"]),
+        )
+        lines.append(
+            f"| {row['method']} | {row['threat_model']} | {eps_hat} | {claim} | {row['delta']:g} "
+            f"| {row['confidence']:.4g} | {row['canaries']} | {row['runs']} "
+            f"| {show_value(float(row['seconds']))} |"
+        )
+    lines.append("")
+    for row in data["audits"]:
+        lines.append(f"- **{row['method']}** ({row['method_description']}): {row['statement']}")
+        lines += [f"  - {note}" for note in row["notes"]]
+    return [*lines, "", data["statement"]]
+
+
+@section("empirical_audit", "Empirical audit", _render_audits)
+def empirical_audit(
+    facts: RunFacts, findings: tuple[Finding, ...], words: Wording
+) -> dict[str, Any]:
+    """Every recorded audit's ε̂ beside the claimed ε, and what the comparison means."""
+    rows = [_audit_row(audit, facts) for audit in facts.audits]
+    if not rows:
+        return {"audits": [], "any_exceeds_claim": False, "statement": NONE_RECORDED}
+    exceeded = any(row["exceeds_claim"] for row in rows)
+    statement = EVIDENCE_NOT_PROOF
+    if exceeded:
+        statement = (
+            "At least one audit found more leakage than the run claims: the claimed ε is not "
+            "supported by the code that ran. " + EVIDENCE_NOT_PROOF
+        )
+    return {"audits": rows, "any_exceeds_claim": exceeded, "statement": statement}
+
+
+SECTIONS = (empirical_audit,)
+
+__all__ = ["EVIDENCE_NOT_PROOF", "NONE_RECORDED", "SECTIONS", "claimed_epsilon", "verdict"]
