@@ -28,7 +28,13 @@ from dpfy.plan.mechanisms import (
     randomized_response_keep_probability,
 )
 
-__all__ = ["randomized_response_with_prior", "rr_prior_output_distribution", "top_k_choice"]
+__all__ = [
+    "randomized_response_with_prior",
+    "rr_channel",
+    "rr_prior_channels",
+    "rr_prior_output_distribution",
+    "top_k_choice",
+]
 
 
 def _keep_probabilities(num_classes: int, epsilon: float) -> np.ndarray:
@@ -108,3 +114,30 @@ def rr_prior_output_distribution(prior: np.ndarray, label: int, epsilon: float) 
     else:
         distribution[members] = 1.0 / size
     return distribution
+
+
+def rr_channel(num_classes: int, epsilon: float) -> np.ndarray:
+    """k-ary RR's channel M[y, ŷ] = P[report ŷ | label y]: keep on the diagonal, rest uniform."""
+    keep = randomized_response_keep_probability(num_classes, epsilon)
+    channel = np.full((num_classes, num_classes), (1.0 - keep) / (num_classes - 1))
+    np.fill_diagonal(channel, keep)
+    return channel
+
+
+def rr_prior_channels(priors: np.ndarray, epsilon: float) -> np.ndarray:
+    """Each example's RRWithPrior channel M_i[y, ŷ], from its public prior alone: (n, k, k).
+
+    A label inside the top-k* set is kept w.p. e^ε/(e^ε + k* − 1), else moved uniformly within
+    the set; a label outside it goes to a uniform member. Outputs outside the set never occur.
+    """
+    order, k_star = top_k_choice(priors, epsilon)
+    n, num_classes = order.shape
+    inside = np.zeros((n, num_classes), dtype=bool)
+    np.put_along_axis(inside, order, np.arange(num_classes)[None, :] < k_star[:, None], axis=1)
+    size = k_star.astype(float)[:, None, None]
+    keep = np.where(size > 1, 1.0 / (1.0 + (size - 1.0) * math.exp(-epsilon)), 1.0)
+    move = np.where(size > 1, (1.0 - keep) / np.maximum(size - 1.0, 1.0), 0.0)
+    targets = inside[:, None, :].astype(float)  # ŷ must lie in the set
+    channel = np.where(inside[:, :, None], move * targets, targets / size)
+    eye = np.eye(num_classes, dtype=bool)[None, :, :] & inside[:, :, None]
+    return np.where(eye, np.broadcast_to(keep, channel.shape), channel)
