@@ -123,3 +123,15 @@ def test_threshold_bound_refuses_too_few_or_non_finite_scores():
         best_threshold_bound([1.0], [0.0, 1.0], 1e-5, 0.95)
     with pytest.raises(ValueError, match="NaN"):
         best_threshold_bound([1.0, math.nan], [0.0, 1.0], 1e-5, 0.95)
+
+
+def test_an_exactly_epsilon_dp_test_is_rarely_bounded_above_its_epsilon():
+    # Randomised response at ε = 1 errs each way w.p. 1/(1 + e), on the (1, 0) boundary.
+    rng = np.random.default_rng(6)
+    error = 1 / (1 + math.e)
+    fp, fn = rng.binomial(300, error, size=300), rng.binomial(300, error, size=300)
+    above = sum(
+        classical_epsilon_lower_bound(int(a), 300, int(b), 300, 0.0, 0.95).epsilon_lower_bound > 1
+        for a, b in zip(fp, fn, strict=True)
+    )
+    assert above <= 0.05 * 300 + 3 * math.sqrt(0.05 * 0.95 * 300)

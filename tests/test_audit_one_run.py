@@ -121,3 +121,12 @@ def test_score_and_guess_refuses_mismatched_flags_and_guess_counts():
         score_and_guess([0.1, 0.2], [1, 0], 1e-5, 0.95)
     with pytest.raises(ValueError, match="each k"):
         score_and_guess([0.1, 0.2, 0.3, 0.4], np.array([True] * 4), 1e-5, 0.95, ks=[3])
+
+
+def test_an_exactly_epsilon_dp_guesser_is_rarely_bounded_above_its_epsilon():
+    # Randomised response at ε = 1 is exactly 1-DP: each guess right w.p. e/(1 + e). A sound
+    # bound at 95 % exceeds 1 in at most about 5 % of audits.
+    rng = np.random.default_rng(5)
+    right = rng.binomial(500, 1 / (1 + math.exp(-1.0)), size=200)
+    above = sum(one_run_epsilon_lower_bound(500, int(v), 0.0, 0.95, 500) > 1.0 for v in right)
+    assert above <= 0.05 * 200 + 3 * math.sqrt(0.05 * 0.95 * 200)
