@@ -280,3 +280,16 @@ def test_the_prediction_job_answers_the_test_split_until_the_budget_and_reports_
     assert served.ledger.state_dict() == json.loads((run / "ledger.json").read_text("utf-8"))
     with pytest.raises(QueryBudgetExhausted):
         served.answer(torch.zeros(1, 1, 8, 8))
+
+
+def test_fit_refuses_labels_outside_the_declared_classes_naming_the_fix():
+    with pytest.raises(ValueError, match=r"class indices in \[0, 2\).*num_classes"):
+        PrivateEnsemble.fit(
+            blobs(), lambda: nn.Linear(4, 3), teachers=4, aggregator=GNMax(2.0), epsilon=1.0,
+            delta=DELTA, num_classes=2,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="TensorDataset"):
+        PrivateEnsemble.fit(
+            [(torch.zeros(4), 0)], lambda: nn.Linear(4, 3), teachers=4, aggregator=GNMax(2.0),
+            epsilon=1.0, delta=DELTA, num_classes=3,
+        )  # fmt: skip

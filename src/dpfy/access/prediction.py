@@ -91,7 +91,7 @@ class PrivateEnsemble:
         private data). ``seed`` fixes partitions, initialisation and noise (experiments only);
         None draws the noise from the OS and fixes the public parts at seed 0.
         """
-        features, labels = dataset.tensors[0], dataset.tensors[1]
+        features, labels = _training_tensors(dataset, num_classes)
         teachers = check_count("teachers", teachers, minimum=1)
         public = 0 if seed is None else check_seed(seed)
         assignment = assign_partitions(features, labels, teachers, public)
@@ -212,3 +212,25 @@ def _fingerprint(
             "partition_seed": int(partition_seed),
         }
     )
+
+
+def _training_tensors(
+    dataset: TensorDataset, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and integer labels in [0, num_classes), or one error naming what to pass."""
+    tensors = getattr(dataset, "tensors", None)
+    if not isinstance(dataset, TensorDataset) or tensors is None or len(tensors) != 2:
+        raise ValueError(
+            "dataset must be a TensorDataset of (features, labels); got "
+            f"{type(dataset).__name__} — wrap your tensors in torch.utils.data.TensorDataset"
+        )
+    features, labels = tensors
+    num_classes = check_count("num_classes", num_classes, minimum=2)
+    if labels.dim() != 1 or labels.dtype.is_floating_point:
+        raise ValueError("labels must be a 1-d tensor of class indices (int64)")
+    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(
+            f"labels must be class indices in [0, {num_classes}); some are outside — pass the "
+            "dataset's number of classes as num_classes"
+        )
+    return features, labels.long()
