@@ -108,9 +108,10 @@ def fitted_canaries(settings: StepSettings, wanted: int) -> int:
 
 
 def _seconds_per_step(settings: StepSettings, canaries: int) -> float:
-    """Time a few steps of the audit session (the estimate the user is shown)."""
+    """Time a few steps of the audit session, after one to warm up (the estimate shown)."""
     design = design_for(settings, canaries, 2)
     blocks = max(1, math.ceil(4 / settings.steps_per_block))
+    run_session(settings, design, torch.ones(canaries, dtype=torch.bool), 1, 0)
     start = time.perf_counter()
     run_session(settings, design, torch.ones(canaries, dtype=torch.bool), blocks, 0)
     return (time.perf_counter() - start) / (blocks * settings.steps_per_block)

@@ -1,0 +1,62 @@
+"""``dpfy audit RUN_DIR``: the cost stated first, ε̂ beside the claim, the audit in the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dpfy.cli.app import app
+
+
+def dpfy(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("audit") / "run"
+    _, _, stderr = dpfy("train", "--model", "logreg", "--epochs", "0.3", "--out", str(out))
+    assert (out / "facts.json").is_file(), stderr
+    return out
+
+
+def test_audit_states_its_cost_then_records_epsilon_hat_beside_the_claim(trained):
+    code, stdout, stderr = dpfy(
+        "audit", str(trained), "--canaries", "20", "--blocks", "10", "--seed", "0"
+    )
+    assert code == 0, stderr
+    cost = stdout.splitlines()[0]
+    assert "re-runs the run's private step" in cost and "20 steps, about" in cost
+    assert "classical: ε̂ = " in stdout and "≤ the claim" in stdout
+    audits = json.loads((trained / "audit.json").read_text())["audits"]
+    assert audits[-1]["method"] == "classical" and audits[-1]["threat_model"] == "white-box"
+    facts = json.loads((trained / "facts.json").read_text())
+    assert facts["audits"][-1] == audits[-1]
+    assert "Empirical audit" in (trained / "report.md").read_text()
+
+
+def test_a_second_audit_is_added_beside_the_first(trained):
+    before = len(json.loads((trained / "facts.json").read_text())["audits"])
+    code, _, stderr = dpfy(
+        "audit", str(trained), "--method", "one-run", "--canaries", "20", "--blocks", "5"
+    )
+    assert code == 0, stderr
+    audits = json.loads((trained / "facts.json").read_text())["audits"]
+    assert len(audits) == before + 1 and audits[-1]["method"] == "one-run"
+
+
+def test_a_directory_without_a_run_is_one_error_line_naming_the_fix(tmp_path):
+    code, stdout, stderr = dpfy("audit", str(tmp_path))
+    assert code == 2 and stdout == ""
+    assert stderr.strip().splitlines() == [
+        f"error: {tmp_path} holds no facts.json; pass a run directory of `dpfy train`"
+    ]
+
+
+def test_an_unknown_method_is_refused_before_anything_runs(trained):
+    code, _, stderr = dpfy("audit", str(trained), "--method", "guess")
+    assert code == 2 and "--method must be one of classical, one-run, both" in stderr
