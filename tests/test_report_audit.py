@@ -79,6 +79,16 @@ def test_bound_above_the_claim_is_called_a_bug():
     assert "not supported by the code that ran" in section["statement"]
 
 
+def test_bound_above_the_claim_is_an_error_the_headline_counts():
+    card = build_report(run_facts(audit(epsilon_lower_bound=6.0, claimed_epsilon=2.0)))
+    codes = [(f.code, f.severity.value) for f in card.findings]
+    assert ("audit-exceeds-claim", "error") in codes
+    assert "1 error-level pitfall(s)" in card.headline
+    assert not any(
+        f.code == "audit-exceeds-claim" for f in build_report(run_facts(audit())).findings
+    )
+
+
 def test_audit_at_another_delta_without_its_own_claim_is_not_compared():
     section = build_report(run_facts(audit(delta=1e-3))).to_json()["empirical_audit"]
     assert section["audits"][0]["claimed_epsilon"] is None

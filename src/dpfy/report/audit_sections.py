@@ -9,14 +9,15 @@ happens to a correct run with probability at most 1 − c — it means a bug.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dpfy.audit.result import METHODS, THREAT_MODELS, AuditResult
+from dpfy.report.pitfalls import Finding, Severity, detector
 from dpfy.report.sections import section, show_epsilon, show_value
 
 if TYPE_CHECKING:
     from dpfy.report.facts import RunFacts
-    from dpfy.report.pitfalls import Finding
     from dpfy.report.wording import Wording
 
 NONE_RECORDED = (
@@ -119,6 +120,37 @@ def empirical_audit(
     return {"audits": rows, "any_exceeds_claim": exceeded, "statement": statement}
 
 
+@detector("audit-exceeds-claim")
+def audit_exceeds_claim(facts: RunFacts) -> Iterator[Finding]:
+    """An audit's ε̂ above the claimed ε is an error: the headline must not state the claim bare.
+
+    Registered here, beside the section that words the same comparison, so the report card
+    (which imports this module) counts it among the errors that weaken the claim.
+    """
+    for i, audit in enumerate(facts.audits):
+        claim = claimed_epsilon(audit, facts)
+        if claim is not None and audit.epsilon_lower_bound > claim:
+            yield Finding(
+                "audit-exceeds-claim",
+                Severity.ERROR,
+                f"Empirical audit {i + 1} ({audit.method}) found more leakage than claimed",
+                f"ε̂ = {show_epsilon(audit.epsilon_lower_bound)} > claimed ε = "
+                f"{show_epsilon(claim)} at {audit.confidence:.4g} confidence (δ = "
+                f"{audit.delta:g}); a correct run shows this with probability at most "
+                f"{1 - audit.confidence:.2g}.",
+                "find the bug in the private step, the sampler or the accounting (noise scale, "
+                "clipping, the batch-size divisor), then train and audit again.",
+                "§5.3.3",
+            )
+
+
 SECTIONS = (empirical_audit,)
 
-__all__ = ["EVIDENCE_NOT_PROOF", "NONE_RECORDED", "SECTIONS", "claimed_epsilon", "verdict"]
+__all__ = [
+    "EVIDENCE_NOT_PROOF",
+    "NONE_RECORDED",
+    "SECTIONS",
+    "audit_exceeds_claim",
+    "claimed_epsilon",
+    "verdict",
+]
