@@ -10,10 +10,12 @@ import torch
 from scipy import stats
 from torch import nn
 
-from dpfy.access.label_dp import stage_partition, train_label_private
+from dpfy.access.label_dp import forward_corrected_loss, stage_partition, train_label_private
 from dpfy.access.label_ledger import LabelBudgetExhausted, LabelLedger
 from dpfy.access.rr_prior import (
     randomized_response_with_prior,
+    rr_channel,
+    rr_prior_channels,
     rr_prior_output_distribution,
     top_k_choice,
 )
@@ -182,3 +184,23 @@ def test_stages_with_plain_rr_are_refused() -> None:
     features, labels = _separable(30)
     with pytest.raises(ValueError, match="rr-prior only"):
         train_label_private(_factory, features, labels, 3, 1.0, mechanism="rr", stages=2)
+
+
+@pytest.mark.parametrize("epsilon", [0.3, 1.0, 3.0])
+def test_rr_prior_channels_hold_each_examples_output_distribution(epsilon: float) -> None:
+    priors = np.random.default_rng(6).dirichlet(np.full(K, 0.3), size=60)
+    channels = rr_prior_channels(priors, epsilon)
+    for prior, channel in zip(priors, channels, strict=True):
+        for y in range(K):
+            np.testing.assert_allclose(channel[y], rr_prior_output_distribution(prior, y, epsilon))
+    np.testing.assert_allclose(rr_channel(K, epsilon), _theoretical_confusion(K, epsilon))
+
+
+def test_the_forward_corrected_loss_is_the_noisy_labels_likelihood() -> None:
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.5, 0.0]])
+    channel = torch.from_numpy(rr_channel(3, 1.0)).float()
+    labels = torch.tensor([1, 2])
+    p = torch.softmax(logits, dim=1)
+    expected = -torch.log((p @ channel)[torch.arange(2), labels]).mean()
+    loss = forward_corrected_loss(logits, labels, channel.expand(2, 3, 3))
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
