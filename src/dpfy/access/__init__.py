@@ -14,11 +14,18 @@ _LAZY = {
     "ConfidentGNMax": "dpfy.access.prediction_aggregator",
     "QueryLedger": "dpfy.access.prediction_ledger",
     "QueryBudgetExhausted": "dpfy.access.prediction_ledger",
+    "train_label_private": "dpfy.access.label_dp",
+    "LabelPrivateResult": "dpfy.access.label_dp",
+    "LabelLedger": "dpfy.access.label_ledger",
+    "LabelBudgetExhausted": "dpfy.access.label_ledger",
+    "randomized_response_with_prior": "dpfy.access.rr_prior",
+    "InputRandomiser": "dpfy.access.input_dp",
+    "FeatureBounds": "dpfy.access.input_dp",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """Import a prediction-level name on first use."""
+    """Import an access-model name on first use."""
     if name not in _LAZY:
         raise AttributeError(f"module 'dpfy.access' has no attribute {name!r}")
     import importlib
