@@ -106,6 +106,8 @@ def _label_body(config: TrainConfig, run_dir: Path, console: Console) -> TrainRe
         f"Randomiser: {config.label_mechanism} at ε = {config.target_epsilon:g}"
         + (f" in {config.stages} disjoint stages of {sizes} labels, each stage's prior from "
            "the model trained on the earlier stages' randomised labels." if stages else ".")
+        + " The model trains with the forward-corrected loss (the randomiser's known channel, "
+        "which depends only on ε and the public prior: post-processing)."
     )  # fmt: skip
     access = AccessFacts(
         "label", result.ledger.epsilon, 0.0, config.label_mechanism, detail,
