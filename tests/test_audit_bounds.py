@@ -10,6 +10,7 @@ from scipy import stats
 
 from dpfy.audit.bounds import (
     best_threshold_bound,
+    classical_ceiling,
     classical_epsilon_lower_bound,
     clopper_pearson,
     clopper_pearson_lower,
@@ -135,3 +136,11 @@ def test_an_exactly_epsilon_dp_test_is_rarely_bounded_above_its_epsilon():
         for a, b in zip(fp, fn, strict=True)
     )
     assert above <= 0.05 * 300 + 3 * math.sqrt(0.05 * 0.95 * 300)
+
+
+def test_classical_ceiling_is_the_bound_of_an_attack_never_wrong():
+    # No errors in n trials: each rate ≤ 1 − (α/2)^(1/n), so ε̂ = log((1 − δ − u)/u).
+    n, delta = 10_000, 1e-5
+    u = 1 - 0.025 ** (1 / n)
+    assert classical_ceiling(n, n, delta, 0.95) == pytest.approx(math.log((1 - delta - u) / u))
+    assert classical_ceiling(n, n, delta, 0.95) == pytest.approx(math.log(n / 3.689), abs=0.01)

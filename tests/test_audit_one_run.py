@@ -13,6 +13,7 @@ from scipy import stats
 from dpfy.audit.one_run import (
     EPSILON_TOLERANCE,
     guess_counts,
+    one_run_ceiling,
     one_run_epsilon_lower_bound,
     one_run_p_value,
     score_and_guess,
@@ -130,3 +131,12 @@ def test_an_exactly_epsilon_dp_guesser_is_rarely_bounded_above_its_epsilon():
     right = rng.binomial(500, 1 / (1 + math.exp(-1.0)), size=200)
     above = sum(one_run_epsilon_lower_bound(500, int(v), 0.0, 0.95, 500) > 1.0 for v in right)
     assert above <= 0.05 * 200 + 3 * math.sqrt(0.05 * 0.95 * 200)
+
+
+def test_one_run_ceiling_is_the_bound_of_guesses_all_right():
+    # Pure DP, r guesses all right: q^r = α at the ceiling, so ε̂ = log-odds of α^(1/r).
+    q = 0.05 ** (1 / 100)
+    assert one_run_ceiling(1000, 0.0, 0.95, ks=[50]) == pytest.approx(
+        math.log(q / (1 - q)), abs=1e-5
+    )
+    assert one_run_ceiling(1000, 1e-5, 0.95) >= one_run_ceiling(100, 1e-5, 0.95)

@@ -135,6 +135,18 @@ def classical_epsilon_lower_bound(
     )
 
 
+def classical_ceiling(negatives: int, positives: int, delta: float, confidence: float) -> float:
+    """The largest ε̂ a classical audit of this size can show: that of an attack never wrong.
+
+    Stated before an audit is run, so its cost is known: with n trials a side ε̂ is at most about
+    log(n / log(2 / (1 − confidence))), however strong the attack (the rates' upper bounds
+    never reach 0).
+    """
+    return classical_epsilon_lower_bound(
+        0, negatives, 0, positives, delta, confidence
+    ).epsilon_lower_bound
+
+
 def best_threshold_bound(
     scores_in: Sequence[float] | np.ndarray,
     scores_out: Sequence[float] | np.ndarray,
@@ -233,6 +245,7 @@ def _check_confidence(confidence: float) -> float:
 __all__ = [
     "best_threshold_bound",
     "choose_threshold",
+    "classical_ceiling",
     "classical_epsilon_lower_bound",
     "clopper_pearson",
     "clopper_pearson_lower",

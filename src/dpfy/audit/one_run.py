@@ -91,6 +91,19 @@ def guess_counts(canaries: int) -> tuple[int, ...]:
     return tuple(sorted({k for k in (half, half // 2, canaries // 10, canaries // 50) if k >= 1}))
 
 
+def one_run_ceiling(
+    canaries: int, delta: float, confidence: float, ks: Sequence[int] | None = None
+) -> float:
+    """The largest ε̂ a one-run audit with this many canaries can show: every guess right.
+
+    :func:`score_and_guess` can never report more, so this says up front whether an audit is
+    large enough to test a claimed ε at all.
+    """
+    tried = tuple(guess_counts(canaries) if ks is None else ks)
+    each = 1.0 - (1.0 - check_range("confidence", confidence, 0.0, 1.0)) / len(tried)
+    return max(one_run_epsilon_lower_bound(2 * k, 2 * k, delta, each, canaries) for k in tried)
+
+
 def score_and_guess(
     scores: Sequence[float] | np.ndarray,
     included: Sequence[bool] | np.ndarray,
@@ -167,6 +180,7 @@ __all__ = [
     "EPSILON_TOLERANCE",
     "MAX_EPSILON",
     "guess_counts",
+    "one_run_ceiling",
     "one_run_epsilon_lower_bound",
     "one_run_p_value",
     "score_and_guess",
