@@ -248,13 +248,15 @@ def measure_times(
     device: str,
     label: str,
     errors: dict[str, str] | None = None,
+    only_against: bool = False,
 ) -> Times:
     """Fastest and median wall time and median CPU time per method, methods interleaved.
 
     Interleaving makes machine load hit all methods alike; the number of rounds grows until the
     non-private steps alone took ``seconds`` (cheap models get many more samples), within ten
     times that in all. A method that cannot run is left out, its error printed and, if given,
-    put in ``errors``.
+    put in ``errors``; ``only_against``: the non-private steps are there only to compare with,
+    so nothing is timed once all other methods failed.
     """
     bench = make()
     runs = {}
@@ -268,6 +270,8 @@ def measure_times(
             if errors is not None:
                 errors[m] = message
             runs.pop(m, None)
+    if only_against and list(runs) == ["nonprivate"]:
+        return {}  # the method it was to be compared with failed: nothing to time
     methods = list(runs)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -312,7 +316,8 @@ def timed_against_nonprivate(
     groups = [group_light] + [["nonprivate", m] for m in methods if m not in light]
     out = []
     for group in groups:
-        times = measure_times(make, group, steps, seconds, device, label, errors)
+        alone = group is not group_light
+        times = measure_times(make, group, steps, seconds, device, label, errors, alone)
         keep = group if group is group_light else group[1:]  # non-private: first round only
         out += [(m, times[m], times["nonprivate"]) for m in keep if m in times]
     return out
