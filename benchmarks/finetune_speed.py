@@ -171,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--steps", type=int, default=4, help="fewest interleaved rounds")
+    parser.add_argument("--steps", type=int, default=3, help="fewest interleaved rounds")
     parser.add_argument(
         "--seconds", type=float, default=4.0, help="least non-private time per group (s)"
     )
