@@ -158,3 +158,12 @@ def test_white_box_audit_at_epsilon_8_is_at_least_half_tight():
     result = canary_update_only(step, canaries=500, blocks=250, seed=8)
     assert result.epsilon_lower_bound >= 0.5 * result.claimed_epsilon
     assert result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+@pytest.mark.parametrize("sampler", ["shuffle", "fixed-size"])
+def test_classical_audit_refuses_samplers_whose_trials_are_not_independent(sampler):
+    step = StepSettings(records=40, batch_size=20, noise_multiplier=1.0, max_grad_norm=1.0,
+                        delta=1e-5, sampler=sampler, accountant="rdp")  # fmt: skip
+    with pytest.raises(ValueError, match=r"needs independent trials.*one-run"):
+        audit_private_step(step, canaries=10, blocks=5)
+    assert audit_private_step(step, method="one-run", canaries=10, blocks=5, seed=0).runs == 1

@@ -77,13 +77,14 @@ class StepSettings:
             loss_reduction=plan.loss_reduction,
         )
 
-    def calibrated(self, epsilon: float) -> StepSettings:
-        """These settings with σ calibrated so that one block (one trial) claims ``epsilon``.
+    def calibrated(self, epsilon: float, blocks: int = 1) -> StepSettings:
+        """These settings with σ calibrated so that ``blocks`` blocks (trials) claim ``epsilon``.
 
         Calibrated by make_private itself (its accountant and resolver), on the audit records.
         """
         rows = _Rows(torch.zeros(0, 1), self.records)
-        private = _private_session(self, CanaryModel(1), rows, self.steps_per_block, 0, epsilon)
+        steps = blocks * self.steps_per_block
+        private = _private_session(self, CanaryModel(1), rows, steps, 0, epsilon)
         private.engine.detach()
         return dataclasses.replace(self, noise_multiplier=private.plan.noise_multiplier)
 

@@ -27,13 +27,14 @@ probability ½ (a coin flip the auditor scores, never uses); each canary's score
 log-likelihood ratio of its coordinate's updates over all steps under the claimed mechanism,
 and :func:`dpfy.audit.one_run.score_and_guess` turns the guesses into ε̂ for the whole run.
 
-**Where the white-box audit is sound.** DP-SGD and user-level DP-SGD: yes, per step (Poisson
-or shuffled batches; the canary user holds one record). DP-FTRL: only per epoch — an epoch's
-trees are restarted, so epochs are independent, while steps inside a tree share noise — and
-only under its zero-out relation: removing a record would shift every later record into
-another batch, a pair of datasets the tree accounting does not call neighbours, so an audit
-comparing them could report ε̂ above a correct claim. The one-run audit of DP-FTRL needs the
-canaries in fixed positions of the stream, which its zero-out canaries keep.
+**Where the white-box audit is sound.** DP-SGD and user-level DP-SGD: yes, per step with
+Poisson sampling (the canary user holds one record); shuffled or fixed-size batches tie the
+canaries' inclusions together, so there only the one-run audit applies. DP-FTRL: only per
+epoch — an epoch's trees are restarted, so epochs are independent, while steps inside a tree
+share noise — and only under its zero-out relation: removing a record would shift every later
+record into another batch, a pair of datasets the tree accounting does not call neighbours, so
+an audit comparing them could report ε̂ above a correct claim. The one-run audit of DP-FTRL
+needs the canaries in fixed positions of the stream, which its zero-out canaries keep.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def classical_audit(
     unknown = sorted(set(statistics) - set(STATISTICS)) or ([] if statistics else ["(none)"])
     if unknown:
         raise ValueError(f"statistics must be among {list(STATISTICS)}, got {unknown}")
+    _check_independent_trials(settings)
     start = time.perf_counter()
     design = design_for(settings, canaries, probes)
     seeds = (None, None) if seed is None else (2 * seed, 2 * seed + 1)
@@ -155,6 +157,21 @@ def classical_audit(
             *notes,
         ),
     )
+
+
+def _check_independent_trials(settings: StepSettings) -> None:
+    """Refuse samplers whose trials are not independent, which Clopper–Pearson assumes.
+
+    Shuffled batches put each record in exactly one step of an epoch, and fixed-size batches
+    make the canaries of a step compete for B places; the one-run audit needs neither.
+    """
+    if settings.algorithm != "dp-ftrl" and settings.sampler in ("shuffle", "fixed-size"):
+        raise ValueError(
+            f"the classical audit needs independent trials, but {settings.sampler} batches tie "
+            "the canaries' inclusions together (within a step or an epoch); use the one-run "
+            "audit (method='one-run', dpfy audit --method one-run), which needs no such "
+            "independence"
+        )
 
 
 def one_run_audit(
