@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,3 +146,19 @@ def test_classical_ceiling_is_the_bound_of_an_attack_never_wrong():
     u = 1 - 0.025 ** (1 / n)
     assert classical_ceiling(n, n, delta, 0.95) == pytest.approx(math.log((1 - delta - u) / u))
     assert classical_ceiling(n, n, delta, 0.95) == pytest.approx(math.log(n / 3.689), abs=0.01)
+
+
+def test_audit_statistics_import_no_torch_at_module_level():
+    # A saved run's audit is re-checked and re-rendered without torch (its report needs none).
+    import dpfy.audit.bounds as bounds_module
+    import dpfy.audit.membership as membership_module
+    import dpfy.audit.one_run as one_run_module
+    import dpfy.audit.result as result_module
+
+    for module in (bounds_module, one_run_module, result_module, membership_module):
+        tree = ast.parse(Path(module.__file__).read_text())
+        for node in tree.body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "torch" for n in names), module.__name__
