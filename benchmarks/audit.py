@@ -65,7 +65,7 @@ def classical_row(name: str, step: StepSettings, epsilon: float, quick: bool) ->
         calibrated,
         canaries=canaries,
         blocks=blocks,
-        seed=int(epsilon),
+        seed=_seed(name, epsilon),
         statistics=("canary update",),
     )
     steps = blocks * calibrated.steps_per_block * 2
