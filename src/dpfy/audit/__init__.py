@@ -4,3 +4,21 @@ An ε is a proof about the mechanism as written; an audit runs the code with can
 attacks the final model) and turns what an attacker could tell into a lower bound ε̂ at a stated
 confidence (Nasr et al. 2023; Steinke, Nasr & Jagielski 2023). A correct run has ε̂ ≤ ε.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Names loaded on first use (PEP 562), so the torch-free bounds import without torch.
+_LAZY = {
+    "StepSettings": "dpfy.audit.observe",
+    "audit_private_step": "dpfy.audit.whitebox",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dpfy.audit' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
