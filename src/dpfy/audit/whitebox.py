@@ -119,7 +119,7 @@ def classical_audit(
     unknown = sorted(set(statistics) - set(STATISTICS)) or ([] if statistics else ["(none)"])
     if unknown:
         raise ValueError(f"statistics must be among {list(STATISTICS)}, got {unknown}")
-    _check_independent_trials(settings)
+    check_independent_trials(settings)
     start = time.perf_counter()
     design = design_for(settings, canaries, probes)
     seeds = (None, None) if seed is None else (2 * seed, 2 * seed + 1)
@@ -159,7 +159,7 @@ def classical_audit(
     )
 
 
-def _check_independent_trials(settings: StepSettings) -> None:
+def check_independent_trials(settings: StepSettings) -> None:
     """Refuse samplers whose trials are not independent, which Clopper–Pearson assumes.
 
     Shuffled batches put each record in exactly one step of an epoch, and fixed-size batches
@@ -274,6 +274,7 @@ __all__ = [
     "STATISTICS",
     "audit_private_step",
     "audit_steps",
+    "check_independent_trials",
     "classical_audit",
     "design_for",
     "one_run_audit",

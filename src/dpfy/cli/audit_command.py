@@ -48,9 +48,13 @@ def audit(
         raise typer.Exit(_USAGE_ERROR) from None
     for line in cost.lines():
         console.print(line)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("auditing", total=cost.steps)
-        results = run_audit(cost, config, lambda: progress.advance(task))
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("auditing", total=cost.steps)
+            results = run_audit(cost, config, lambda: progress.advance(task))
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(_USAGE_ERROR) from None
     written = record_audits(run_dir, facts, results)
     for result in results:
         claim = "unknown" if result.claimed_epsilon is None else f"{result.claimed_epsilon:.3g}"

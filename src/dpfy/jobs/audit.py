@@ -23,7 +23,12 @@ import torch
 
 from dpfy.audit.observe import StepSettings, run_session
 from dpfy.audit.result import AuditResult
-from dpfy.audit.whitebox import audit_private_step, audit_steps, design_for
+from dpfy.audit.whitebox import (
+    audit_private_step,
+    audit_steps,
+    check_independent_trials,
+    design_for,
+)
 from dpfy.report.facts import RunFacts
 from dpfy.report.render import FACTS_FILE, write_report
 
@@ -89,6 +94,8 @@ def load_run(run_dir: Path) -> RunFacts:
 def plan_cost(facts: RunFacts, config: AuditConfig) -> AuditCost:
     """The audited step's settings, the canaries that fit, and a timed estimate of the cost."""
     settings = StepSettings.from_plan(facts.privacy)
+    if "classical" in config.methods:
+        check_independent_trials(settings)
     canaries = fitted_canaries(settings, config.canaries)
     steps = sum(audit_steps(settings, m, config.blocks) for m in config.methods)
     return AuditCost(settings, canaries, steps, steps * _seconds_per_step(settings, canaries))
