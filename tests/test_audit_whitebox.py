@@ -167,3 +167,29 @@ def test_classical_audit_refuses_samplers_whose_trials_are_not_independent(sampl
     with pytest.raises(ValueError, match=r"needs independent trials.*one-run"):
         audit_private_step(step, canaries=10, blocks=5)
     assert audit_private_step(step, method="one-run", canaries=10, blocks=5, seed=0).runs == 1
+
+
+def test_a_runs_plan_gives_the_step_the_audit_re_runs():
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import dpfy
+
+    model = nn.Linear(3, 1)
+    data = TensorDataset(torch.zeros(64, 3), torch.zeros(64))
+    private = dpfy.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                                batch_size=16, delta=1e-5, max_grad_norm=0.7, epochs=1,
+                                noise_multiplier=1.3, algorithm="dp-ftrl",
+                                sampler="fixed-order")  # fmt: skip
+    step = StepSettings.from_plan(private.plan)
+    assert (step.records, step.batch_size, step.noise_multiplier, step.max_grad_norm) == (
+        64,
+        16,
+        1.3,
+        0.7,
+    )
+    assert (step.algorithm, step.sampler, step.relation) == ("dp-ftrl", "fixed-order", "zero-out")
+    assert step.steps_per_block == 4  # one epoch of 64 / 16 batches
+    microbatched = dataclasses.replace(private.plan, microbatch_size=4)
+    with pytest.raises(ValueError, match="microbatch"):
+        StepSettings.from_plan(microbatched)
