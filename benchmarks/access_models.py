@@ -8,6 +8,8 @@ For each dataset and ε ∈ {1, 2, 4, 8}, with the same model, optimizer, epochs
   forward-corrected loss (the default of :func:`dpfy.access.label_dp.train_label_private`);
 - full-training DP-SGD through the ``dpfy train`` job's own set-up (σ calibrated by PLD for the
   target ε at δ = 10^-(⌈log10 N⌉+1), Poisson sampling, C = 1) — ε for features and labels;
+- input-level DP: each record randomised locally (Laplace on features clipped into public bounds,
+  RR on the label, ε/2 each; :class:`dpfy.access.input_dp.InputRandomiser`) — ε per record;
 - prediction-level DP from ``benchmarks/_prediction_level.py`` when that module is present
   (accuracy of the answered queries and how many were answered), else a row saying "not run";
 - a non-private baseline (same model and schedule) for reference.
@@ -32,9 +34,13 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
+import torch
 from rich.console import Console
 
-from dpfy.access.label_dp import train_label_private
+from dpfy.access.feature_bounds import bounds_for
+from dpfy.access.input_dp import InputRandomiser
+from dpfy.access.label_dp import fit_on_labels, train_label_private
 from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.jobs.config import TrainConfig
 from dpfy.jobs.loop import accuracy, train_private
@@ -85,6 +91,30 @@ def _dpsgd_row(config: TrainConfig, data: LoadedDataset, eps: float) -> dict:
     }  # fmt: skip
 
 
+def _input_row(config: TrainConfig, name: str, fashion_limit: int, eps: float) -> dict:
+    """Input-level DP at ε per record: randomise each record, train without noise."""
+    started = time.perf_counter()
+    standardize = bounds_for(name, 1)[1]
+    limit = fashion_limit if name == "fashion-mnist" else None
+    data = load_dataset(name, limit=limit, standardize=standardize)
+    features, labels = data.train.tensors
+    bounds, _ = bounds_for(name, features[0].numel())
+    randomiser = InputRandomiser(bounds, eps, label_share=0.5)
+    out = randomiser(
+        features.numpy(), labels.numpy(), data.num_classes, np.random.default_rng(config.seed)
+    )
+    model = fit_on_labels(
+        lambda: fresh_model(config, data), torch.from_numpy(out.features.astype(np.float32)),
+        torch.from_numpy(np.asarray(out.labels, dtype=np.int64)), epochs=round(config.epochs),
+        batch_size=config.batch_size, seed=config.seed or 0,
+    )  # fmt: skip
+    return {
+        "access": "input", "mechanism": "laplace+rr", "epsilon": eps, "delta": 0.0,
+        "accuracy": accuracy(model, data.test), "laplace_scale": randomiser.noise_scale,
+        "seconds": time.perf_counter() - started,
+    }  # fmt: skip
+
+
 def _prediction_rows(name: str, epsilons: tuple[float, ...], seed: int) -> list[dict]:
     """Prediction-level DP rows from part 2's module, or one row saying it did not run."""
     try:
@@ -110,12 +140,15 @@ def _dataset_rows(name: str, args: argparse.Namespace) -> list[dict]:
         rows.append(_label_row(config, data, "rr", eps))
         rows.append(_label_row(config, data, "rr-prior", eps))
         rows.append(_dpsgd_row(config, data, eps))
+        rows.append(_input_row(config, name, args.fashion_limit, eps))
         print(f"{name} ε={eps:g}: " + ", ".join(
-            f"{r['mechanism']} {r['accuracy']:.4f}" for r in rows[-3:]), flush=True)  # fmt: skip
-    rows += _prediction_rows(name, tuple(args.epsilons), args.seed)
+            f"{r['mechanism']} {r['accuracy']:.4f}" for r in rows[-4:]), flush=True)  # fmt: skip
     for row in rows:
         row.update(dataset=name, train_size=len(data.train), test_size=len(data.test))
-    return rows
+    # prediction-level rows come from their own module, on the whole training split
+    return rows + [
+        {"dataset": name, **row} for row in _prediction_rows(name, tuple(args.epsilons), args.seed)
+    ]
 
 
 def _cell(row: dict | None) -> str:
@@ -134,14 +167,21 @@ def _markdown(document: dict) -> str:
     """One table per dataset: methods as columns, ε as rows."""
     lines = ["# Access models: accuracy at the same ε (guide §3.2)", "",
              f"Command: `{document['command']}`  ", f"Date: {document['date']}", ""]  # fmt: skip
-    methods = [("label", "rr"), ("label", "rr-prior"), ("full", "dp-sgd"), ("prediction", None)]
+    methods = [
+        ("label", "rr"), ("label", "rr-prior"), ("full", "dp-sgd"), ("input", "laplace+rr"),
+        ("prediction", None),
+    ]  # fmt: skip
     for name in document["datasets"]:
         rows = [r for r in document["rows"] if r["dataset"] == name]
         base = next(r for r in rows if r["access"] == "none")
+        predicted = next(
+            (r for r in rows if r["access"] == "prediction" and "train_size" in r), None
+        )
         lines += [f"## {name} (train {base['train_size']}, test {base['test_size']}; non-private "
                   f"{100 * base['accuracy']:.2f} %)", "",
                   "| ε | label DP: RR | label DP: RR-with-prior (2 stages) | full DP-SGD | "
-                  "prediction-level |", "|---|---|---|---|---|"]  # fmt: skip
+                  "input-level (local) | prediction-level |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
         for eps in document["epsilons"]:
             cells = []
             for access, mechanism in methods:
@@ -150,6 +190,10 @@ def _markdown(document: dict) -> str:
                          and (r.get("epsilon") == eps or "note" in r)]  # fmt: skip
                 cells.append(_cell(match[0] if match else None))
             lines.append(f"| {eps:g} | " + " | ".join(cells) + " |")
+        if predicted is not None and predicted["train_size"] != base["train_size"]:
+            size = predicted["train_size"]
+            lines.append(f"Prediction-level: teachers on {size} records (the whole training "
+                         "split, as its module trains them), not the subset above.")  # fmt: skip
         lines.append("")
     lines.append(document["note"])
     return "\n".join(lines) + "\n"
@@ -174,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         "datasets": args.datasets, "epsilons": args.epsilons, "seed": args.seed,
         "seconds": time.perf_counter() - started, "rows": rows,
         "note": ("Label DP: ε per label, δ = 0, features treated as public (it protects nothing "
-                 "else). Full DP-SGD: ε for features and labels at the δ in the JSON. "
+                 "else). Full DP-SGD: ε for features and labels at the δ in the JSON. Input-level: "
+                 "ε per record (local DP, δ = 0). Prediction-level: accuracy of the answered test "
+                 "queries and how many were answered before the budget ran out. "
                  "Hyperparameters fixed a priori (dpfy train's defaults), one seed; the seed "
                  "fixes the randomisation (an experiment, not a private release)."),
     }  # fmt: skip
