@@ -103,13 +103,12 @@ class LabelLedger:
                 f"randomisers); got {mechanism!r}"
             )
         array = self._indices(indices)
+        release = LabelRelease(check_count("stage", stage), mechanism, epsilon, array.size)
         self.check_release(array, epsilon)
         self._spent[array] += epsilon
         self._times[array] += 1
         self._members.append(array)
-        self._releases.append(
-            LabelRelease(check_count("stage", stage), mechanism, epsilon, array.size)
-        )
+        self._releases.append(release)
 
     @property
     def releases(self) -> tuple[LabelRelease, ...]:
