@@ -192,6 +192,7 @@ def _markdown(document: dict) -> str:
             lines.append(f"| {eps:g} | " + " | ".join(cells) + " |")
         if predicted is not None and predicted["train_size"] != base["train_size"]:
             size = predicted["train_size"]
+            lines.append("")
             lines.append(f"Prediction-level: teachers on {size} records (the whole training "
                          "split, as its module trains them), not the subset above.")  # fmt: skip
         lines.append("")
