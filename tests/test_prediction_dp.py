@@ -293,3 +293,20 @@ def test_fit_refuses_labels_outside_the_declared_classes_naming_the_fix():
             [(torch.zeros(4), 0)], lambda: nn.Linear(4, 3), teachers=4, aggregator=GNMax(2.0),
             epsilon=1.0, delta=DELTA, num_classes=3,
         )  # fmt: skip
+
+
+def test_teachers_wider_than_the_declared_classes_are_refused_before_any_query_is_charged():
+    # a vote outside [0, num_classes) would depend on the private teachers: whether a request
+    # errors or is answered must not, so the width is checked once, on the architecture alone
+    wide = [nn.Linear(4, 3) for _ in range(4)]
+    with torch.no_grad():
+        for teacher in wide:
+            teacher.bias.copy_(torch.tensor([0.0, 0.0, 5.0]))  # class 2 wins on every query
+    from dpfy.access.prediction import _fingerprint
+
+    binding = _fingerprint(wide, GNMax(2.0), 2, 0)
+    ledger = QueryLedger(2.0, DELTA, GNMax(2.0), binding=binding)
+    with pytest.raises(ValueError, match=r"3 classes.*num_classes=2"):
+        PrivateEnsemble(wide, GNMax(2.0), ledger, num_classes=2, input_shape=(4,),
+                        partition_seed=0)  # fmt: skip
+    assert ledger.asked == 0

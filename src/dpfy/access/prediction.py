@@ -60,6 +60,7 @@ class PrivateEnsemble:
         self.input_shape = tuple(int(d) for d in input_shape)
         self.partition_seed = int(partition_seed)
         self.noise = noise if noise is not None else SecureNoise()
+        _check_output_width(self.teachers, self.input_shape, self.num_classes)
         if ledger.binding != self.fingerprint():
             raise ValueError(
                 "the query ledger is bound to another ensemble; build it with "
@@ -198,6 +199,25 @@ class PrivateEnsemble:
             partition_seed=state["partition_seed"],
             noise=noise_source(seed),
         )
+
+
+@torch.no_grad()
+def _check_output_width(
+    teachers: Sequence[nn.Module], input_shape: tuple[int, ...], num_classes: int
+) -> None:
+    """Refuse teachers that can vote outside [0, num_classes), judged on a blank input.
+
+    Checked once, on the architecture alone: a vote outside the classes found while answering
+    would make whether a request errors depend on the private teachers.
+    """
+    probe = torch.zeros(2, *input_shape)
+    for teacher in teachers:
+        width = teacher(probe).shape[-1]
+        if width != num_classes:
+            raise ValueError(
+                f"a teacher outputs {width} classes but the ensemble was given "
+                f"num_classes={num_classes}; build the teachers with one output per class"
+            )
 
 
 def _fingerprint(
