@@ -146,3 +146,19 @@ def test_an_impossible_audit_cannot_be_constructed():
 def test_exceeds_claim_compares_with_the_audits_own_claim():
     assert audit(epsilon_lower_bound=1.0, claimed_epsilon=0.5).exceeds_claim
     assert not audit(epsilon_lower_bound=1.0).exceeds_claim  # nothing to compare with
+
+
+def test_a_membership_bound_above_the_claim_does_not_claim_a_false_alarm_rate():
+    # one model's examples are not independent trials: no theorem bounds how often a correct
+    # run's membership ε̂ exceeds its ε, so the card must not state a probability for it
+    facts = run_facts(
+        audit(method="membership-inference", epsilon_lower_bound=6.0, claimed_epsilon=2.0)
+    )
+    card = build_report(facts)
+    statement = card.to_json()["empirical_audit"]["audits"][0]["statement"]
+    evidence = next(f.evidence for f in card.findings if f.code == "audit-exceeds-claim")
+    for text in (statement, evidence):
+        assert "probability at most" not in text and "is not bounded" in text
+    one_run = build_report(run_facts(audit(epsilon_lower_bound=6.0, claimed_epsilon=2.0)))
+    row = one_run.to_json()["empirical_audit"]["audits"][0]
+    assert "probability at most 0.05" in row["statement"]

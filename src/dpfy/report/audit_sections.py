@@ -53,14 +53,26 @@ def verdict(audit: AuditResult, claim: float | None) -> str:
     if audit.epsilon_lower_bound > claim:
         return (
             f"ε̂ = {eps_hat} EXCEEDS the claimed ε = {show_epsilon(claim)}: the code leaks more "
-            f"than its accounting says. A correct run shows this with probability at most "
-            f"{1 - audit.confidence:.2g}, so treat it as a bug in the private step, the sampler "
-            "or the accounting, and do not publish the claim until it is found."
+            f"than its accounting says. {false_alarm_rate(audit)} Treat it as a bug in the "
+            "private step, the sampler or the accounting, and do not publish the claim until it "
+            "is found."
         )
     return (
         f"ε̂ = {eps_hat} ≤ claimed ε = {show_epsilon(claim)} at {conf} confidence: consistent "
         "with the claim."
     )
+
+
+def false_alarm_rate(audit: AuditResult) -> str:
+    """How often a correct run would show this ε̂: bounded by the theorem, except for one model's
+    membership inference, whose examples are not independent trials (its own notes say so)."""
+    if audit.method == "membership-inference":
+        return (
+            "This bound treats every example of one model as an independent trial, which no "
+            "theorem justifies, so how often a correct run shows it is not bounded; confirm it "
+            "with a one-run audit (members drawn by coin flip) or `dpfy audit RUN_DIR`."
+        )
+    return f"A correct run shows this with probability at most {1 - audit.confidence:.2g}."
 
 
 def _audit_row(audit: AuditResult, facts: RunFacts) -> dict[str, Any]:
@@ -136,8 +148,7 @@ def audit_exceeds_claim(facts: RunFacts) -> Iterator[Finding]:
                 f"Empirical audit {i + 1} ({audit.method}) found more leakage than claimed",
                 f"ε̂ = {show_epsilon(audit.epsilon_lower_bound)} > claimed ε = "
                 f"{show_epsilon(claim)} at {audit.confidence:.4g} confidence (δ = "
-                f"{audit.delta:g}); a correct run shows this with probability at most "
-                f"{1 - audit.confidence:.2g}.",
+                f"{audit.delta:g}). {false_alarm_rate(audit)}",
                 "find the bug in the private step, the sampler or the accounting (noise scale, "
                 "clipping, the batch-size divisor), then train and audit again.",
                 "§5.3.3",
