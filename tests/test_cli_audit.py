@@ -60,3 +60,11 @@ def test_a_directory_without_a_run_is_one_error_line_naming_the_fix(tmp_path):
 def test_an_unknown_method_is_refused_before_anything_runs(trained):
     code, _, stderr = dpfy("audit", str(trained), "--method", "guess")
     assert code == 2 and "--method must be one of classical, one-run, both" in stderr
+
+
+def test_a_run_of_another_access_model_is_refused_naming_what_can_be_audited(tmp_path):
+    (tmp_path / "report.json").write_text("{}\n")  # what label/input/prediction runs leave
+    code, stdout, stderr = dpfy("audit", str(tmp_path))
+    assert code == 2 and stdout == ""
+    (line,) = stderr.strip().splitlines()
+    assert "nothing to audit" in line and "--access full" in line

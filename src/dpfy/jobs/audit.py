@@ -87,6 +87,12 @@ class AuditCost:
 def load_run(run_dir: Path) -> RunFacts:
     """The run's facts (ε recomputed from its ledger), or one error naming the fix."""
     if not (run_dir / FACTS_FILE).is_file():
+        if (run_dir / "report.json").is_file():  # label-, input- or prediction-level
+            raise ValueError(
+                f"{run_dir} is a run without a private training step (--access label, input "
+                "or prediction), so there is nothing to audit; audit a full-training run "
+                "(--access full, the default)"
+            )
         raise ValueError(f"{run_dir} holds no {FACTS_FILE}; pass a run directory of `dpfy train`")
     return RunFacts.load(run_dir / FACTS_FILE)
 
