@@ -50,6 +50,16 @@ def test_label_rr_run_states_label_only_dp_and_warns_on_private_features(tmp_pat
     assert document["accounting"]["max_times_randomised"] == 1
     assert [p["code"] for p in document["pitfalls"]] == ["label-dp-features-private"]
     assert (out / "model.pt").is_file() and (out / "config.json").is_file()
+    assert result["released"] == f"{document['train_size']} labels randomised once each"
+    assert "facts.json" not in result["paths"]  # a label run writes no DP-SGD facts
+    assert all(Path(path).is_file() for path in result["paths"].values())
+
+
+def test_the_summary_of_a_label_run_names_what_was_released_not_steps(tmp_path: Path) -> None:
+    run = dpfy_train("--access", "label", "--features-public", "--out", str(tmp_path / "l"))
+    assert run.returncode == 0, run.stderr
+    assert "labels randomised once each)" in run.stdout
+    assert " steps" not in run.stdout
 
 
 def test_label_rr_prior_in_stages_composes_in_parallel(tmp_path: Path) -> None:

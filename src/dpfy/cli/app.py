@@ -426,7 +426,10 @@ def train(
     ] = _ALGORITHM,
     access: Annotated[
         AccessChoice,
-        typer.Option(help="Where DP applies: full (DP-SGD), label (labels only), input (records)."),
+        typer.Option(
+            help="Where DP applies: full (DP-SGD), label (labels only), input (each record), "
+            "prediction (only the served answers of a private ensemble)."
+        ),
     ] = _ACCESS,
     label_mechanism: Annotated[
         LabelMechanismChoice, typer.Option(help="--access label: rr, or rr-prior (in stages).")

@@ -55,14 +55,15 @@ def _summary_lines(result: TrainResult, unit: str) -> list[str]:
     lines = [
         f"run directory: {result.run_dir}",
         f"report: {result.run_dir / 'report.md'}",
-        f"test accuracy (DP): {result.test_accuracy:.4f}",
+        f"{result.accuracy_of}: {result.test_accuracy:.4f}",
     ]
     if result.baseline_accuracy is not None:
         lines.append(f"test accuracy (non-private): {result.baseline_accuracy:.4f}")
     resumed = "" if result.resumed_at is None else f", resumed at step {result.resumed_at}"
+    released = result.released or f"{result.steps} steps"
     lines.append(
         f"ε spent: {result.epsilon:.4f} at δ = {result.delta:g} ({unit}-level, "
-        f"{result.algorithm}, {result.steps} steps{resumed})"
+        f"{result.algorithm}, {released}{resumed})"
     )
     lines.append(f"time: {result.seconds:.1f} s")
     lines += [f"{_SHOWN[p.severity.value]} {p.code}: {p.title}" for p in _flagged(result.pitfalls)]
@@ -71,7 +72,7 @@ def _summary_lines(result: TrainResult, unit: str) -> list[str]:
 
 def _document(result: TrainResult, unit: str) -> dict[str, Any]:
     """The ``--json`` object: the run's figures, its pitfalls and the paths of what it wrote."""
-    files = ("report.md", "report.json", "facts.json", "history.json", "config.json", "model.pt")
+    written = sorted(p for p in result.run_dir.iterdir() if p.is_file())
     return {
         "status": "finished",
         "run_dir": str(result.run_dir),
@@ -82,13 +83,15 @@ def _document(result: TrainResult, unit: str) -> dict[str, Any]:
         "unit": unit,
         "algorithm": result.algorithm,
         "steps": result.steps,
+        "released": result.released or f"{result.steps} steps",
+        "accuracy_of": result.accuracy_of,
         "resumed_at": result.resumed_at,
         "seconds": result.seconds,
         "pitfalls": [
             {"severity": p.severity.value, "code": p.code, "title": p.title}
             for p in result.pitfalls
         ],
-        "paths": {name: str(result.run_dir / name) for name in files},
+        "paths": {path.name: str(path) for path in written},
         "exit_code": exit_code(result),
     }
 

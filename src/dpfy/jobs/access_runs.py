@@ -72,7 +72,7 @@ def _run(
 
 def _finish(
     run: AccessRun, model: torch.nn.Module, run_dir: Path, started: float, algorithm: str,
-    steps: int,
+    steps: int, released: str,
 ) -> TrainResult:  # fmt: skip
     """Write the model and the report; the result the CLI prints."""
     torch.save(model.state_dict(), run_dir / "model.pt")
@@ -82,7 +82,7 @@ def _finish(
     return TrainResult(
         run_dir, float(run.accuracy or 0.0), run.baseline_accuracy, run.access.epsilon,
         run.access.delta, time.perf_counter() - started, pitfalls=findings, steps=steps,
-        algorithm=algorithm,
+        algorithm=algorithm, released=released,
     )  # fmt: skip
 
 
@@ -120,7 +120,8 @@ def _label_body(config: TrainConfig, run_dir: Path, console: Console) -> TrainRe
         result.ledger.state_dict(),
     )  # fmt: skip
     algorithm = f"label-only DP, {config.label_mechanism}{stages}"
-    return _finish(run, result.model, run_dir, started, algorithm, config.stages)
+    released = f"{len(labels)} labels randomised once each"
+    return _finish(run, result.model, run_dir, started, algorithm, config.stages, released)
 
 
 def _input_body(config: TrainConfig, run_dir: Path, console: Console) -> TrainResult:
@@ -161,7 +162,8 @@ def _input_body(config: TrainConfig, run_dir: Path, console: Console) -> TrainRe
         {"feature_epsilon": randomiser.feature_epsilon, "label_epsilon": randomiser.label_epsilon,
          "sensitivity_l1": randomiser.sensitivity, "laplace_scale": randomiser.noise_scale},
     )  # fmt: skip
-    return _finish(run, model, run_dir, started, "input-level DP, Laplace + RR", 1)
+    released = f"{len(features)} records randomised once each"
+    return _finish(run, model, run_dir, started, "input-level DP, Laplace + RR", 1, released)
 
 
 def run_label_training(

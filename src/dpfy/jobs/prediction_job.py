@@ -227,4 +227,6 @@ def run_prediction_training(
         pitfalls=result.pitfalls,
         steps=result.queries_answered,
         algorithm=f"prediction-level DP, GNMax over {result.teachers} teachers",
+        released=f"{result.queries_answered} of {result.queries_offered} queries answered",
+        accuracy_of="accuracy of the answered queries",
     )

@@ -119,6 +119,10 @@ class TrainResult:
     steps: int = 0
     resumed_at: int | None = None  # the step a resumed run continued from
     algorithm: str = "DP-SGD"  # the algorithm that ran, as the banner names it
+    #: What was released, for runs that take no steps (e.g. "1437 labels randomised once");
+    #: None: the ``steps`` a DP-SGD run took.
+    released: str | None = None
+    accuracy_of: str = "test accuracy (DP)"  # what test_accuracy measures, as printed
 
 
 def default_run_dir(config: TrainConfig) -> Path:
