@@ -310,3 +310,25 @@ def test_teachers_wider_than_the_declared_classes_are_refused_before_any_query_i
         PrivateEnsemble(wide, GNMax(2.0), ledger, num_classes=2, input_shape=(4,),
                         partition_seed=0)  # fmt: skip
     assert ledger.asked == 0
+
+
+def test_removing_one_record_changes_one_teachers_weights_and_no_other():
+    # the sensitivity argument end to end: partitions, seeds and training of every other
+    # teacher must not depend on the removed record
+    data = blobs()
+    keep = torch.arange(len(data)) != 17
+    smaller = TensorDataset(data.tensors[0][keep], data.tensors[1][keep])
+    ensembles = [
+        PrivateEnsemble.fit(d, lambda: nn.Linear(4, 3), teachers=8, aggregator=GNMax(8.0),
+                            epsilon=2.0, delta=DELTA, num_classes=3, epochs=3, seed=0)
+        for d in (data, smaller)
+    ]  # fmt: skip
+
+    def weights(model: nn.Module) -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    same = [
+        torch.equal(weights(s), weights(t))
+        for s, t in zip(ensembles[0].teachers, ensembles[1].teachers, strict=True)
+    ]
+    assert same.count(False) == 1
