@@ -150,3 +150,13 @@ def test_access_pitfalls_flag_unbounded_input_and_seeded_randomisers() -> None:
     raw = AccessFacts("input", 1.0, bounds="pixels", labels_protected=False)
     assert "only the features are protected" in access_statement(raw)
     assert dataclasses.replace(raw, labels_protected=True).labels_protected
+
+
+def test_dpfy_report_on_a_label_run_points_at_its_report_card(tmp_path: Path) -> None:
+    out = tmp_path / "label"
+    assert dpfy_train("--access", "label", "--features-public", "--out", str(out)).returncode == 0
+    shown = subprocess.run(
+        [sys.executable, "-m", "dpfy", "report", str(out)], capture_output=True, text=True
+    )
+    assert shown.returncode == 2
+    assert f"is a --access label run: its report card is {out / 'report.md'}" in shown.stderr

@@ -472,6 +472,20 @@ def train(
         raise typer.Exit(code)
 
 
+def _no_facts(run_dir: Path) -> str:
+    """Why ``run_dir`` cannot be re-rendered: not a run, or a run of another access model."""
+    try:
+        access = json.loads((run_dir / CONFIG_FILE).read_text()).get("access", "full")
+    except (OSError, ValueError, AttributeError):
+        access = "full"
+    if access != "full" and (run_dir / "report.md").is_file():
+        return (
+            f"{run_dir} is a --access {access} run: its report card is {run_dir / 'report.md'} "
+            "(dpfy report re-renders DP-SGD runs, from their facts.json)"
+        )
+    return f"{run_dir} holds no dpfy run (no facts.json); pass a `dpfy train` run directory"
+
+
 @app.command()
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `dpfy train`.")],
@@ -482,9 +496,7 @@ def report(
 
     with _user_errors():
         if not (run_dir / "facts.json").exists():
-            raise ValueError(
-                f"{run_dir} holds no dpfy run (no facts.json); pass a `dpfy train` run directory"
-            )
+            raise ValueError(_no_facts(run_dir))
         typer.echo(render_run(run_dir, format.value))
 
 
