@@ -268,6 +268,7 @@ def test_the_prediction_job_answers_the_test_split_until_the_budget_and_reports_
     run = result.run_dir
     report = (run / "report.md").read_text(encoding="utf-8")
     assert "only the served answers are protected" in report and "never released" in report
+    assert "the dataset size N alone, which is treated as public" in report
     assert "Refused: query budget exhausted" in report
     document = json.loads((run / "report.json").read_text(encoding="utf-8"))
     answered = document["queries_answered"]

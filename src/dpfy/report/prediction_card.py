@@ -119,7 +119,11 @@ def render_prediction_report(run: PredictionRun, findings: tuple[Finding, ...]) 
         "",
         f"Unit: one training record; relation {run.relation} (guide §2.1). Each record belongs "
         "to one teacher, by a hash of the record alone, so one record moves one teacher's vote "
-        "(two under replace-one). ε under different relations is not comparable.",
+        "(two under replace-one). The number of teachers and σ are set before training from "
+        "the dataset size N alone, which is treated as public (as DP-SGD's sampling rate "
+        "B/N is): a neighbouring dataset is served by the same number of teachers. If N "
+        "itself is secret, fix the number of teachers in advance rather than deriving it. "
+        "ε under different relations is not comparable.",
         "",
         "## 4. Accounting",
         "",
