@@ -289,6 +289,17 @@ def test_accounted_or_public_tuning_passes(clean, tuned_ledger_facts):
     )
 
 
+def test_a_tuning_choice_at_its_grid_edge_is_a_warning_in_the_final_report(clean):
+    edge = "the tuning chose clip norm C = 0.1, the smallest value of its grid (0.1, 1)."
+    tuned = dataclasses.replace(clean, tuning=TuningFacts("public", 5, grid_edges=(edge,)))
+    finding = only(tuned, "tuning-grid-edge")
+    assert finding.severity is Severity.WARNING and edge in finding.evidence
+    assert "tuning-grid-edge" not in codes(
+        dataclasses.replace(clean, tuning=TuningFacts("public", 5))
+    )
+    assert RunFacts.from_dict(tuned.to_dict()).tuning.grid_edges == (edge,)
+
+
 # -- registry -------------------------------------------------------------------------------------
 
 

@@ -70,6 +70,9 @@ def test_an_lr_clip_tuning_at_a_grid_corner_warns_and_records_it(tmp_path: Path)
     assert any("clip norm C = " in e for e in edges)
     stored = json.loads((tmp_path / "tune" / "tuning.json").read_text())
     assert stored["grid_edges"] == edges
+    report = json.loads((tmp_path / "tune" / "final" / "report.json").read_text())
+    flagged = [p for p in report["pitfalls"] if p["code"] == "tuning-grid-edge"]
+    assert len(flagged) == 1 and all(e in flagged[0]["evidence"] for e in edges)
 
 
 @pytest.mark.filterwarnings("ignore::dpfy.tune.grid_edge.TuningGridEdgeWarning")

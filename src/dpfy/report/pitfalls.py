@@ -346,6 +346,23 @@ def tuning_not_accounted(facts: RunFacts) -> Iterator[Finding]:
     )
 
 
+@detector("tuning-grid-edge")
+def tuning_grid_edge(facts: RunFacts) -> Iterator[Finding]:
+    """A choice at the edge of its grid may be short of the best, which lies beyond the grid."""
+    edges = facts.tuning.grid_edges
+    if not edges:
+        return
+    yield Finding(
+        "tuning-grid-edge",
+        Severity.WARNING,
+        "Tuning chose a value at the edge of its grid",
+        " ".join(edges),
+        "extend the grid past that edge and tune again; a new tuning run on private data "
+        "spends privacy budget too.",
+        "§5.4.2",
+    )
+
+
 def _labelled_events(facts: RunFacts) -> dict[str, Any]:
     """The ledger's non-training labels and their counts."""
     return dict(facts.accounting.summary.labelled_events)

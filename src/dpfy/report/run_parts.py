@@ -165,10 +165,14 @@ class TuningFacts:
 
     data: str = "none"
     trials: int = 0
+    #: Each hyperparameter the tuning chose at the edge of its grid, as a sentence: the best
+    #: may lie beyond it, and tuning again spends budget too.
+    grid_edges: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         choice("tuning data", self.data, TUNING_DATA)
         object.__setattr__(self, "trials", check_count("trials", self.trials))
+        object.__setattr__(self, "grid_edges", tuple(str(edge) for edge in self.grid_edges))
 
 
 @dataclass(frozen=True)

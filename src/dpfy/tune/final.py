@@ -13,6 +13,7 @@ ledger, the report's own source, at the end.
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ def train_final(
     dataset_name: str,
     total_budget: float | None = None,
     public_inputs: tuple[PublicInput, ...] = (),
+    grid_edges: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Train ``config`` at ``target_epsilon``; record ``tuning`` in its ledger; maybe report.
 
@@ -111,7 +113,7 @@ def train_final(
             model_name=config.model,
             dataset_source=data.source,
             preprocessing=data.preprocessing,
-            tuning=None if tuning is None else tuning.facts(),
+            tuning=None if tuning is None else replace(tuning.facts(), grid_edges=grid_edges),
             results=ResultFacts(
                 accuracy=test_accuracy, evaluated_on="held-out half of the test split"
             ),

@@ -223,10 +223,13 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
         chosen = default.with_(
             max_grad_norm=outcome.chosen.config.max_grad_norm, lr=outcome.chosen.config.lr
         )
+    clip = _clip_choice(search, outcome)
+    edges = [] if outcome.chosen is None else search_edges(search, outcome.chosen.config, clip)
     final = train_final(
         chosen, splits.final, split.training_epsilon, delta, accountant, outcome,
         out / "final", console, dataset_name=data.name, total_budget=config.target_epsilon,
         public_inputs=tuning_data.public_inputs,
+        grid_edges=tuple(edge.message() for edge in edges),
     )  # fmt: skip
     baseline = None
     if config.compare_default:  # what not tuning gives: the whole budget on one run
@@ -235,9 +238,7 @@ def run_tuning(config: TuneConfig, console: Console | None = None) -> TuneSummar
             None, console, dataset_name=data.name,
         )  # fmt: skip
     files: dict[str, Path] = {"report": out / "final" / "report.md"}
-    clip = _clip_choice(search, outcome)
     extra = _pictures(search, outcome, clip, config, chosen.max_grad_norm, sigma, out, files)
-    edges = [] if outcome.chosen is None else search_edges(search, outcome.chosen.config, clip)
     _check_informative(outcome, data.num_classes)
     for note in outcome.notes:
         console.print(f"[yellow]note:[/] {note}")
