@@ -518,3 +518,16 @@ def test_train_unit_user_refuses_more_users_per_step_than_users():
     )  # fmt: skip
     assert run.returncode == 2
     assert "batch_size 20 exceeds --users 10" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_train_unit_user_without_a_batch_size_expects_a_fifth_of_the_users(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "dpfy", "train", "--unit", "user", "--users", "50",
+         "--epochs", "1", "--seed", "0", "--out", str(tmp_path / "run"), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode in (0, 3), run.stderr
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["batch_size"] == 10
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["accounting"]["sampling_rate"] == pytest.approx(10 / 50)

@@ -43,6 +43,7 @@ from dpfy.jobs.config import (
     OPTIMIZER_NAMES,
     UNIT_NAMES,
     TrainConfig,
+    default_user_batch,
     read_config,
 )
 from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
@@ -384,6 +385,8 @@ def _train_config(
         config = replace(read_config(config_file), **{"out": None, **given})
     else:
         config = replace(_TRAIN, **given)
+        if config.unit == "user" and "batch_size" not in given:
+            config = replace(config, batch_size=default_user_batch(config.users))
     if config.delta is not None and not (0 < config.delta < 1):
         raise ValueError(f"delta must lie in (0, 1), got {config.delta!r}")
     return config
@@ -401,7 +404,9 @@ def train(
     epochs: Annotated[float, typer.Option(help=f"Passes over the data ({_EPOCHS_BOUND}).")] = (
         _TRAIN.epochs
     ),
-    batch_size: Annotated[int, typer.Option(help="Expected batch size B.")] = _TRAIN.batch_size,
+    batch_size: Annotated[
+        int, typer.Option(help="Expected batch size B (--unit user: users per step, users/5).")
+    ] = _TRAIN.batch_size,
     max_grad_norm: Annotated[float, typer.Option(help="Clip norm C.")] = _TRAIN.max_grad_norm,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = _TRAIN.lr,
     optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,

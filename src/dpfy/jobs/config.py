@@ -56,6 +56,16 @@ def check_epochs(name: str, value: float) -> float:
     )
 
 
+#: Users per step a user-level run expects when no batch size is given: a fifth of the users,
+#: so the default run samples (q = 0.2) rather than being refused for B > users.
+USERS_PER_STEP_SHARE = 5
+
+
+def default_user_batch(users: int) -> int:
+    """The expected users per step of a user-level run given no batch size: users / 5."""
+    return max(1, users // USERS_PER_STEP_SHARE)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything ``dpfy train`` needs; the defaults train digits at ε = 3 in under a minute."""
