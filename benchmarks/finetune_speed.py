@@ -254,6 +254,15 @@ def versions() -> dict[str, str]:
     return found
 
 
+def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The JSON of every row and the Markdown table drawn from it."""
+    from _finetune_speed_table import markdown
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(meta, rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time and measure every case, print each row, write the JSON and the Markdown table."""
     from dpfy.train.cpu_allocator import keep_freed_memory
@@ -269,20 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m for m in args.methods if not m.startswith("opacus") or has_opacus()]
     if "nonprivate" not in methods:
         methods.insert(0, "nonprivate")
-    rows = [row for case in args.cases for row in measure_case(case, methods, args)]
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "device": args.device, "threads": torch.get_num_threads(), "steps": args.steps,
         "seconds": args.seconds, "versions": versions(),
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
-    )
-    from _finetune_speed_table import markdown
-
-    args.out.with_suffix(".md").write_text(markdown(meta, rows))
+    rows: list[dict[str, Any]] = []
+    for case in args.cases:  # written after each case: a run cut short keeps what it measured
+        rows += measure_case(case, methods, args)
+        write_results(args.out, meta, rows)
     return 0
 
 
