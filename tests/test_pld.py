@@ -279,3 +279,13 @@ def test_delta_curve_is_monotone():
     accountant = PldAccountant().compose(dpsgd_event(0.01, 1.0, 1000))
     curve = [accountant.delta(e) for e in np.linspace(0, 5, 26)]
     assert all(a >= b for a, b in itertools.pairwise(curve))
+
+
+@pytest.mark.parametrize("sigma", [1e-310, 5e-324])
+def test_noise_below_floating_point_gives_an_unbounded_epsilon_not_a_crash(sigma):
+    accountant = PldAccountant()
+    accountant.compose(dpsgd_event(0.01, sigma, 10))
+    assert accountant.epsilon(1e-5) == math.inf
+    assert accountant.delta(1.0) == 1.0
+    accountant.compose(GaussianEvent(1.0))  # a later event keeps it unbounded
+    assert accountant.epsilon(0.5) == math.inf

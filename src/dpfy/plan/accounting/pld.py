@@ -183,6 +183,7 @@ class PldAccountant(Accountant):
         super().__init__(relation)
         self.precision = precision
         self._cache: tuple[DiscretePld, ...] | None = None
+        self._infinite = False  # a leaf beyond floating point (see composed)
 
     def for_search(self) -> PldAccountant:
         """A coarser PLD accountant for root finding (its answers are still upper bounds)."""
@@ -207,19 +208,27 @@ class PldAccountant(Accountant):
         self._cache = None
 
     def composed(self) -> tuple[DiscretePld, ...]:
-        """The composed discrete PLD of each direction (removal first), computed once."""
+        """The composed discrete PLD of each direction (removal first), computed once.
+
+        Empty when a leaf's noise is so small that its distance overflows (σ below ~1e-308):
+        its privacy loss is beyond floating point and cannot be discretised, so ε = ∞ and δ = 1
+        are the only bounds that stay upper bounds.
+        """
         if self._cache is None:
             keys: dict[_Key, int] = {}
             for event, count in self._composed:
                 _leaves(event, self.relation, keys, count)
-            self._cache = tuple(_compose_leaves(keys, self.precision))
+            self._infinite = any(not math.isfinite(parameter) for _, parameter, _ in keys)
+            self._cache = () if self._infinite else tuple(_compose_leaves(keys, self.precision))
         return self._cache
 
     def _epsilon(self, delta: float) -> float:
-        return max(pld.epsilon(delta) for pld in self.composed())
+        plds = self.composed()
+        return math.inf if self._infinite else max(pld.epsilon(delta) for pld in plds)
 
     def _delta(self, epsilon: float) -> float:
-        return max(pld.delta(epsilon) for pld in self.composed())
+        plds = self.composed()
+        return 1.0 if self._infinite else max(pld.delta(epsilon) for pld in plds)
 
 
 def _rounded(keys: dict[_Key, int], precision: PldPrecision) -> dict[_Key, int]:
