@@ -68,3 +68,49 @@ def test_a_run_of_another_access_model_is_refused_naming_what_can_be_audited(tmp
     assert code == 2 and stdout == ""
     (line,) = stderr.strip().splitlines()
     assert "nothing to audit" in line and "--access full" in line
+
+
+def _plots(run_dir: Path) -> dict[str, dict[str, str]]:
+    return json.loads((run_dir / "audit.json").read_text())["plots"]
+
+
+def test_each_audit_writes_its_score_plots_and_roc_named_in_audit_json(trained):
+    code, _, stderr = dpfy(
+        "audit", str(trained), "--method", "both", "--canaries", "20", "--blocks", "10",
+        "--seed", "1",
+    )  # fmt: skip
+    assert code == 0, stderr
+    audits = json.loads((trained / "audit.json").read_text())["audits"]
+    plots = _plots(trained)
+    for index in (len(audits) - 2, len(audits) - 1):
+        named = plots[str(index)]
+        assert sorted(named) == ["roc", "scores"]
+        for relative in named.values():
+            path = trained / relative
+            assert path.parent == trained / "audit"
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert audits[-2]["method"] in plots[str(len(audits) - 2)]["scores"]
+
+
+def test_black_box_audit_states_the_extra_run_then_records_a_black_box_bound(trained):
+    code, stdout, stderr = dpfy(
+        "audit", str(trained), "--method", "black-box", "--canaries", "100", "--seed", "0"
+    )
+    assert code == 0, stderr
+    assert stdout.startswith("re-trains the run's configuration once")
+    assert "one extra training run of" in stdout and "model, accuracy and privacy ledger" in stdout
+    audit = json.loads((trained / "audit.json").read_text())["audits"][-1]
+    assert audit["method"] == "one-run" and audit["threat_model"] == "black-box"
+    assert audit["canaries"] == 100 and audit["epsilon_lower_bound"] <= audit["claimed_epsilon"]
+    index = str(len(json.loads((trained / "facts.json").read_text())["audits"]) - 1)
+    assert (trained / _plots(trained)[index]["roc"]).is_file()
+    assert "black-box" in (trained / "report.md").read_text()
+
+
+def test_black_box_audit_with_too_many_canaries_is_one_error_line(trained):
+    code, stdout, stderr = dpfy(
+        "audit", str(trained), "--method", "black-box", "--canaries", "5000"
+    )
+    assert code == 2 and stdout == ""
+    (line,) = stderr.strip().splitlines()
+    assert "more than half of the" in line and "use at most" in line

@@ -61,18 +61,28 @@ def plot_roc(curve: RocCurve, path: str | os.PathLike[str], *, title: str = "ROC
 
 
 def write_audit_plots(
-    scores_in: np.ndarray, scores_out: np.ndarray, run_dir: str | os.PathLike[str], name: str
+    scores_in: np.ndarray,
+    scores_out: np.ndarray,
+    run_dir: str | os.PathLike[str],
+    name: str,
+    *,
+    roc: bool = True,
 ) -> dict[str, Path]:
-    """Both plots of one audit into ``run_dir`` as ``audit-NAME-scores.png`` / ``-roc.png``."""
+    """The plots of one audit into ``run_dir`` as ``audit-NAME-scores.png`` / ``-roc.png``.
+
+    ``roc=False`` leaves the ROC out, for an audit whose guesses are no threshold attack.
+    """
     directory = Path(run_dir)
-    return {
+    paths = {
         "scores": plot_score_histograms(
             scores_in, scores_out, directory / f"audit-{name}-scores.png", title=f"{name} scores"
-        ),
-        "roc": plot_roc(
-            roc_curve(scores_in, scores_out), directory / f"audit-{name}-roc.png", title=name
-        ),
+        )
     }
+    if roc:
+        paths["roc"] = plot_roc(
+            roc_curve(scores_in, scores_out), directory / f"audit-{name}-roc.png", title=name
+        )
+    return paths
 
 
 def _save(figure: Figure, path: str | os.PathLike[str]) -> Path:

@@ -57,6 +57,8 @@ from dpfy.audit.result import AuditResult
 PILOT_SHARE = 0.2
 #: The classical audit's statistics (higher means "the canaries were in").
 STATISTICS = ("canary update", "noise scale")
+#: Receives an audit's scores with the canaries in and out (higher means "in").
+ScoresSink = Callable[[np.ndarray, np.ndarray], None]
 
 
 def audit_private_step(
@@ -70,19 +72,23 @@ def audit_private_step(
     seed: int | None = None,
     statistics: tuple[str, ...] = STATISTICS,
     on_step: Callable[[], None] | None = None,
+    on_scores: ScoresSink | None = None,
 ) -> AuditResult:
     """ε̂ of the run's private step (classical: of one block; one-run: of ``blocks`` blocks).
 
     ``seed`` makes the audit reproducible (leave it None to draw from the OS); ``statistics``
     are the classical audit's (each costs a share of the confidence); ``on_step`` is called
-    after every audited step (:func:`audit_steps` of them: a progress bar).
+    after every audited step (:func:`audit_steps` of them: a progress bar); ``on_scores``
+    receives the scores in and out that ε̂ came from (for the plots).
     """
     if method == "classical":
         return classical_audit(
-            settings, canaries, blocks, probes, confidence, seed, statistics, on_step
+            settings, canaries, blocks, probes, confidence, seed, statistics, on_step, on_scores
         )
     if method == "one-run":
-        return one_run_audit(settings, canaries, blocks, probes, confidence, seed, on_step)
+        return one_run_audit(
+            settings, canaries, blocks, probes, confidence, seed, on_step, on_scores
+        )
     raise ValueError(f"method must be 'classical' or 'one-run', got {method!r}")
 
 
@@ -114,6 +120,7 @@ def classical_audit(
     seed: int | None,
     statistics: tuple[str, ...] = STATISTICS,
     on_step: Callable[[], None] | None = None,
+    on_scores: ScoresSink | None = None,
 ) -> AuditResult:
     """Sessions with all canaries in and all out; ε̂ of one block (see the module docstring)."""
     unknown = sorted(set(statistics) - set(STATISTICS)) or ([] if statistics else ["(none)"])
@@ -141,6 +148,8 @@ def classical_audit(
     if not bounds:
         raise ValueError("the noise-scale statistic needs at least 2 probes; pass probes=64")
     name, best = max(bounds.items(), key=lambda item: item[1].epsilon_lower_bound)
+    if on_scores is not None:
+        on_scores(observed[name][0].ravel(), observed[name][1].ravel())
     notes = tuple(
         f"{n}: ε̂ {b.epsilon_lower_bound:.3g}; {'; '.join(b.notes)}" for n, b in bounds.items()
     )
@@ -182,6 +191,7 @@ def one_run_audit(
     confidence: float,
     seed: int | None,
     on_step: Callable[[], None] | None = None,
+    on_scores: ScoresSink | None = None,
 ) -> AuditResult:
     """One session, each canary in with probability ½; ε̂ of the whole session."""
     start = time.perf_counter()
@@ -196,6 +206,8 @@ def one_run_audit(
         settings, design, included, blocks, None if seed is None else seed + 1, on_step
     )
     scores = _log_likelihood_ratios(session, settings, canaries)
+    if on_scores is not None:
+        on_scores(scores[included.numpy()], scores[~included.numpy()])
     result = score_and_guess(
         scores, included.numpy(), settings.delta, confidence, threat_model="white-box"
     )
@@ -272,6 +284,7 @@ def _log_mixture(x: np.ndarray, mean: float, q: float, sigma2: float) -> np.ndar
 
 __all__ = [
     "STATISTICS",
+    "ScoresSink",
     "audit_private_step",
     "audit_steps",
     "check_independent_trials",

@@ -18,21 +18,24 @@ __all__ = ["audit"]
 _USAGE_ERROR = 2
 _METHOD_HELP = (
     "classical (runs with all canaries in and all out; ε̂ of one step, or one DP-FTRL epoch), "
-    "one-run (each canary in with probability ½, one run; Steinke et al. 2023) or both."
+    "one-run (each canary in with probability ½, one run; Steinke et al. 2023), both, or "
+    "black-box (re-trains the run once with input-space canaries and attacks its final model)."
 )
 
 
 def audit(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `dpfy train`.")],
     method: Annotated[str, typer.Option(help=_METHOD_HELP)] = "classical",
-    canaries: Annotated[int, typer.Option(help="Dirac gradient canaries per session.")] = 100,
+    canaries: Annotated[
+        int, typer.Option(help="Canaries: Dirac gradients per session, or black-box records.")
+    ] = 100,
     blocks: Annotated[
         int, typer.Option(help="Trials per session: steps (DP-SGD) or epochs (DP-FTRL).")
     ] = 200,
     confidence: Annotated[float, typer.Option(help="Confidence of the lower bound ε̂.")] = 0.95,
     seed: Annotated[int | None, typer.Option(help="Seed the audit (reproducible).")] = None,
 ) -> None:
-    """White-box audit of a run's private step: ε̂ (a lower bound) beside the claimed ε."""
+    """Audit a run (its private step, or a re-run's final model): ε̂ beside the claimed ε."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -42,7 +45,7 @@ def audit(
     try:
         config = AuditConfig(method, canaries, blocks, confidence=confidence, seed=seed)
         facts = load_run(run_dir)
-        cost = plan_cost(facts, config)
+        cost = plan_cost(facts, config, run_dir)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(_USAGE_ERROR) from None
@@ -51,12 +54,12 @@ def audit(
     try:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("auditing", total=cost.steps)
-            results = run_audit(cost, config, lambda: progress.advance(task))
+            outcomes = run_audit(cost, config, lambda: progress.advance(task))
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(_USAGE_ERROR) from None
-    written = record_audits(run_dir, facts, results)
-    for result in results:
+    written = record_audits(run_dir, facts, outcomes)
+    for result in (outcome.result for outcome in outcomes):
         claim = "unknown" if result.claimed_epsilon is None else f"{result.claimed_epsilon:.3g}"
         verdict = "ABOVE the claim: a privacy bug" if result.exceeds_claim else "≤ the claim"
         console.print(
@@ -64,4 +67,6 @@ def audit(
             f"confidence, claimed ε = {claim} ({verdict}); {result.canaries} canaries, "
             f"{result.runs} run(s), {result.seconds:.1f} s"
         )
-    console.print(f"audit: {written} · report: {run_dir / 'report.md'}")
+    console.print(
+        f"audit: {written} · plots: {run_dir / 'audit'} · report: {run_dir / 'report.md'}"
+    )

@@ -5,8 +5,11 @@ the sampler, the algorithm, the clipping unit and the noise mechanism. The audit
 private step with :func:`dpfy.train.builder.make_private` on white-box canary records
 (:mod:`dpfy.audit.whitebox`) — its own small canary model, never the trained one, so the run's
 model and its utility are untouched — and appends each :class:`~dpfy.audit.result.AuditResult`
-to the facts, re-rendering ``report.md`` and ``report.json`` and writing ``audit.json``.
-The audit's sessions spend no privacy of the run's data: they see only canaries and blanks.
+to the facts, re-rendering ``report.md`` and ``report.json`` and writing ``audit.json``, with
+the plots of each audit's scores in and out (histograms and ROC) under ``RUN_DIR/audit/``.
+The white-box sessions spend no privacy of the run's data: they see only canaries and blanks.
+``--method black-box`` instead re-trains the run once with input-space canaries
+(:mod:`dpfy.jobs.blackbox_audit`) and attacks only that model's final state.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dpfy.audit.observe import StepSettings, run_session
+from dpfy.audit.plots import write_audit_plots
 from dpfy.audit.result import AuditResult
 from dpfy.audit.whitebox import (
     audit_private_step,
@@ -29,13 +34,16 @@ from dpfy.audit.whitebox import (
     check_independent_trials,
     design_for,
 )
+from dpfy.jobs.blackbox_audit import BlackBoxRun, plan_blackbox, run_blackbox
 from dpfy.report.facts import RunFacts
 from dpfy.report.render import FACTS_FILE, write_report
 
 #: The audit's own file in the run directory: every audit recorded so far.
 AUDIT_FILE = "audit.json"
+#: Where the plots of each audit's scores go, inside the run directory.
+PLOTS_DIR = "audit"
 #: What ``--method`` may name.
-AUDIT_METHODS = ("classical", "one-run", "both")
+AUDIT_METHODS = ("classical", "one-run", "both", "black-box")
 
 
 @dataclass(frozen=True)
@@ -65,16 +73,20 @@ class AuditConfig:
 
 @dataclass(frozen=True)
 class AuditCost:
-    """What the audit will cost, stated before it starts."""
+    """What the audit will cost, stated before it starts (``blackbox``: the re-training run)."""
 
-    settings: StepSettings
+    settings: StepSettings | None
     canaries: int
     steps: int
     seconds: float
+    blackbox: BlackBoxRun | None = None
 
     def lines(self) -> list[str]:
         """The cost as sentences for the terminal."""
+        if self.blackbox is not None:
+            return self.blackbox.lines()
         s = self.settings
+        assert s is not None  # a white-box audit always has its step's settings
         return [
             f"re-runs the run's private step ({s.algorithm} per {s.unit}, N = {s.records}, "
             f"B = {s.batch_size}, σ = {s.noise_multiplier:.4g}, C = {s.max_grad_norm:g}) on "
@@ -97,8 +109,16 @@ def load_run(run_dir: Path) -> RunFacts:
     return RunFacts.load(run_dir / FACTS_FILE)
 
 
-def plan_cost(facts: RunFacts, config: AuditConfig) -> AuditCost:
-    """The audited step's settings, the canaries that fit, and a timed estimate of the cost."""
+def plan_cost(facts: RunFacts, config: AuditConfig, run_dir: Path | None = None) -> AuditCost:
+    """The audited step's settings, the canaries that fit, and a timed estimate of the cost.
+
+    The black-box audit re-trains the run, so it needs ``run_dir`` (its ``config.json``).
+    """
+    if config.method == "black-box":
+        if run_dir is None:
+            raise ValueError("the black-box audit re-trains the run: pass its run directory")
+        run = plan_blackbox(run_dir, facts, config.canaries, config.seed)
+        return AuditCost(None, run.canaries, run.steps, run.seconds, blackbox=run)
     settings = StepSettings.from_plan(facts.privacy)
     if "classical" in config.methods:
         check_independent_trials(settings)
@@ -130,12 +150,26 @@ def _seconds_per_step(settings: StepSettings, canaries: int) -> float:
     return (time.perf_counter() - start) / (blocks * settings.steps_per_block)
 
 
+@dataclass(frozen=True)
+class AuditOutcome:
+    """One audit's result and the scores it came from (higher: "in"), for the plots."""
+
+    result: AuditResult
+    scores_in: np.ndarray
+    scores_out: np.ndarray
+
+
 def run_audit(
     cost: AuditCost, config: AuditConfig, on_step: Callable[[], None] | None = None
-) -> tuple[AuditResult, ...]:
-    """Every audit ``config`` asks for, on the step ``cost`` describes."""
-    return tuple(
-        audit_private_step(
+) -> tuple[AuditOutcome, ...]:
+    """Every audit ``config`` asks for, on the step (or re-run) ``cost`` describes."""
+    if cost.blackbox is not None:
+        return (AuditOutcome(*run_blackbox(cost.blackbox, config.confidence, on_step)),)
+    assert cost.settings is not None
+    outcomes = []
+    for method in config.methods:
+        seen: list[np.ndarray] = []
+        result = audit_private_step(
             cost.settings,
             method=method,
             canaries=cost.canaries,
@@ -144,26 +178,49 @@ def run_audit(
             confidence=config.confidence,
             seed=config.seed,
             on_step=on_step,
+            on_scores=lambda scores_in, scores_out, seen=seen: seen.extend((scores_in, scores_out)),
         )
-        for method in config.methods
-    )
+        outcomes.append(AuditOutcome(result, *seen))
+    return tuple(outcomes)
 
 
-def record_audits(run_dir: Path, facts: RunFacts, results: tuple[AuditResult, ...]) -> Path:
-    """Append the audits to the run's facts, re-render its report, write audit.json."""
+def record_audits(run_dir: Path, facts: RunFacts, outcomes: tuple[AuditOutcome, ...]) -> Path:
+    """Append the audits to the run's facts, re-render its report, plot them, write audit.json.
+
+    Each audit's plots are numbered by its place among the run's audits, so a second audit
+    adds its own files beside the first's; audit.json names every audit's plots.
+    """
+    results = tuple(outcome.result for outcome in outcomes)
     updated = dataclasses.replace(facts, audits=(*facts.audits, *results))
     write_report(updated, run_dir, plots=False)
     target = run_dir / AUDIT_FILE
+    plots = _previous_plots(target)
+    for index, outcome in enumerate(outcomes, start=len(facts.audits) + 1):
+        name = f"{index}-{outcome.result.method}"
+        paths = write_audit_plots(outcome.scores_in, outcome.scores_out, run_dir / PLOTS_DIR, name)
+        plots[str(index - 1)] = {kind: str(p.relative_to(run_dir)) for kind, p in paths.items()}
     rows = [audit.to_dict() for audit in updated.audits]
-    target.write_text(json.dumps({"audits": rows}, indent=2, ensure_ascii=False) + "\n")
+    document = {"audits": rows, "plots": plots}
+    target.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
     return target
+
+
+def _previous_plots(audit_file: Path) -> dict[str, dict[str, str]]:
+    """The plots an earlier audit.json names (by audit index), or none if it names none."""
+    try:
+        plots = json.loads(audit_file.read_text()).get("plots", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return plots if isinstance(plots, dict) else {}
 
 
 __all__ = [
     "AUDIT_FILE",
     "AUDIT_METHODS",
+    "PLOTS_DIR",
     "AuditConfig",
     "AuditCost",
+    "AuditOutcome",
     "fitted_canaries",
     "load_run",
     "plan_cost",
