@@ -14,6 +14,8 @@ from typing import Any
 _LAZY = {
     "StepSettings": "dpfy.audit.observe",
     "audit_private_step": "dpfy.audit.whitebox",
+    "insert_canaries": "dpfy.audit.blackbox",
+    "score_canaries": "dpfy.audit.blackbox",
 }
 
 
