@@ -114,3 +114,14 @@ def test_black_box_audit_with_too_many_canaries_is_one_error_line(trained):
     assert code == 2 and stdout == ""
     (line,) = stderr.strip().splitlines()
     assert "more than half of the" in line and "use at most" in line
+
+
+def test_black_box_audit_of_a_user_level_run_is_refused_naming_the_white_box_audit(trained):
+    import dataclasses
+
+    from dpfy.jobs.audit import AuditConfig, load_run, plan_cost
+
+    facts = load_run(trained)
+    user_level = dataclasses.replace(facts, privacy=dataclasses.replace(facts.privacy, unit="user"))
+    with pytest.raises(ValueError, match=r"re-trains example-level DP-SGD runs.*--method one-run"):
+        plan_cost(user_level, AuditConfig("black-box"), trained)
