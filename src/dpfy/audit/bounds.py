@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from scipy import special
@@ -173,18 +174,31 @@ def best_threshold_bound(
         )
     confidence = _check_confidence(confidence)
     threshold = choose_threshold(scores_in[0::2], scores_out[0::2], delta, confidence)
-    held_in, held_out = scores_in[1::2], scores_out[1::2]
-    bound = classical_epsilon_lower_bound(
+    bound = bound_at_threshold(
+        threshold, scores_in[1::2], scores_out[1::2], delta, confidence, method=method
+    )
+    note = f"threshold {threshold:.6g} chosen on half the scores, evaluated on the other half"
+    return bound.with_context(notes=(*bound.notes, note))
+
+
+def bound_at_threshold(
+    threshold: float,
+    held_in: np.ndarray,
+    held_out: np.ndarray,
+    delta: float,
+    confidence: float,
+    **details: Any,
+) -> AuditResult:
+    """The classical bound of the attack "score ≥ threshold means in", on scores it never saw."""
+    return classical_epsilon_lower_bound(
         int(np.sum(held_out >= threshold)),
         held_out.size,
         int(np.sum(held_in < threshold)),
         held_in.size,
         delta,
         confidence,
-        method=method,
+        **details,
     )
-    note = f"threshold {threshold:.6g} chosen on half the scores, evaluated on the other half"
-    return bound.with_context(notes=(*bound.notes, note))
 
 
 def choose_threshold(
@@ -244,6 +258,7 @@ def _check_confidence(confidence: float) -> float:
 
 __all__ = [
     "best_threshold_bound",
+    "bound_at_threshold",
     "choose_threshold",
     "classical_ceiling",
     "classical_epsilon_lower_bound",

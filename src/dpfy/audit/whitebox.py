@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from scipy import special
 
-from dpfy.audit.bounds import choose_threshold, classical_epsilon_lower_bound
+from dpfy.audit.bounds import bound_at_threshold, choose_threshold
 from dpfy.audit.canaries import CanaryDesign, out_mean
 from dpfy.audit.observe import Session, StepSettings, run_session
 from dpfy.audit.one_run import score_and_guess
@@ -239,14 +239,7 @@ def _split_bound(
     pilot_in, held_in = _split(scores_in)
     pilot_out, held_out = _split(scores_out)
     threshold = choose_threshold(pilot_in, pilot_out, delta, confidence)
-    bound = classical_epsilon_lower_bound(
-        int(np.sum(held_out >= threshold)),
-        held_out.size,
-        int(np.sum(held_in < threshold)),
-        held_in.size,
-        delta,
-        confidence,
-    )
+    bound = bound_at_threshold(threshold, held_in, held_out, delta, confidence)
     return bound.with_context(notes=(*bound.notes, f"threshold {threshold:.4g}"))
 
 
