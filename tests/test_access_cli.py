@@ -5,17 +5,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+from typer.testing import CliRunner
 
 import dpfy
 from dpfy.access.feature_bounds import bounds_for
 from dpfy.access.label_ledger import LABEL_MECHANISMS
+from dpfy.cli.app import app
 from dpfy.data.loader import rest_of_run
 from dpfy.jobs.access import ACCESS_NAMES, access_job
 from dpfy.jobs.config import LABEL_MECHANISM_NAMES, TrainConfig, check_config
@@ -25,11 +26,14 @@ from dpfy.report.card import build_report
 from dpfy.report.facts import RunFacts, collect_facts
 
 
+def run_dpfy(*args: str) -> subprocess.CompletedProcess[str]:
+    """``dpfy ARGS`` in this process (no interpreter start or torch import per call)."""
+    result = CliRunner().invoke(app, list(args))
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
 def dpfy_train(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dpfy", "train", "--epochs", "3", *args],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return run_dpfy("train", "--epochs", "3", *args)
 
 
 def _report(run_dir: Path) -> tuple[str, dict]:
@@ -155,8 +159,6 @@ def test_access_pitfalls_flag_unbounded_input_and_seeded_randomisers() -> None:
 def test_dpfy_report_on_a_label_run_points_at_its_report_card(tmp_path: Path) -> None:
     out = tmp_path / "label"
     assert dpfy_train("--access", "label", "--features-public", "--out", str(out)).returncode == 0
-    shown = subprocess.run(
-        [sys.executable, "-m", "dpfy", "report", str(out)], capture_output=True, text=True
-    )
+    shown = run_dpfy("report", str(out))
     assert shown.returncode == 2
     assert f"is a --access label run: its report card is {out / 'report.md'}" in shown.stderr

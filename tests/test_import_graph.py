@@ -144,6 +144,15 @@ def test_planning_a_run_imports_no_torch():
     assert result.stdout.strip() == "False"
 
 
+def test_the_command_line_starts_without_torch():
+    """``dpfy --help``, ``plan`` and ``account`` answer in a second: torch loads only for a job."""
+    code = "import sys, dpfy.cli.app\nprint('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
 #: Modules named in a string and imported late, against the layer order, on purpose: the
 #: session's ``report()`` reaches the report stage, which reads the session.
 LATE_BOUND_SEAMS = {("dpfy.train.report_seam", "dpfy.report.session_report")}

@@ -30,16 +30,19 @@ from dpfy.plan.accounting import (
     dpsgd_event,
 )
 
+#: Slow only because the oracles need a fine grid there (about 13 s each): run with ``-m slow``.
+SLOW_ORACLE = pytest.mark.slow
+
 # (q, σ, steps, δ): spans q ∈ [1e-4, 0.1], σ ∈ [0.6, 5], steps ∈ [10, 1e5], δ ∈ [1e-7, 1e-5].
 ORACLE_SETTINGS = [
     (0.005, 1.0, 200, 1e-6),  # the guide's App. C epoch
     (0.0064, 1.0, 782, 1e-6),  # TF Privacy statement example (effective σ)
-    (1e-4, 0.6, 100_000, 1e-5),
+    pytest.param(1e-4, 0.6, 100_000, 1e-5, marks=SLOW_ORACLE),
     (1e-4, 1.0, 10_000, 1e-7),
     (1e-4, 5.0, 100_000, 1e-6),
     (3e-4, 0.8, 50_000, 1e-6),
     (1e-3, 0.6, 1_000, 1e-5),
-    (1e-3, 0.8, 100_000, 1e-6),
+    pytest.param(1e-3, 0.8, 100_000, 1e-6, marks=SLOW_ORACLE),
     (1e-3, 2.0, 20_000, 1e-7),
     (2e-3, 1.1, 30_000, 1e-5),
     (0.004, 0.9, 5_000, 1e-5),
@@ -268,6 +271,7 @@ def test_never_below_the_prv_lower_bound(q, sigma, steps):
     assert ours >= lower * (1 - 1e-5)
 
 
+@SLOW_ORACLE
 def test_a_far_tail_setting_agrees_with_dp_accountings_fine_grid():
     """The setting where prv_accountant's lower bound misleads: agree with dp_accounting."""
     q, sigma, steps = 0.099609375, 0.75, 140

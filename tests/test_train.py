@@ -9,26 +9,34 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from dpfy.cli.app import app
 from dpfy.plan.accounting import PldAccountant, dpsgd_event
 
 
-def dpfy(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def dpfy_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m dpfy ARGS`` as a shell runs it."""
     return subprocess.run(
         [sys.executable, "-m", "dpfy", *args],
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=cwd,
         env={**os.environ, "COLUMNS": "120"},
     )
+
+
+def dpfy(*args: str) -> subprocess.CompletedProcess[str]:
+    """``dpfy ARGS`` in this process (no interpreter start or torch import per call)."""
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "120"})
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     """Digits, the default model, 3 epochs, with a baseline."""
     run_dir = tmp_path_factory.mktemp("runs") / "digits"
-    run = dpfy("train", "--epochs", "3", "--out", str(run_dir), "--baseline")
+    run = dpfy_process("train", "--epochs", "3", "--out", str(run_dir), "--baseline")
     return run_dir, run
 
 

@@ -73,9 +73,16 @@ def test_the_tune_choice_names_are_the_registries_keys():
     from dpfy.plan.accounting.events import TrialDistribution
     from dpfy.tune.config import SEARCHES
     from dpfy.tune.cost import TUNING_METHODS
-    from dpfy.tune.names import DISTRIBUTION_NAMES, SEARCH_NAMES, TUNING_METHOD_NAMES
+    from dpfy.tune.datasets import FEATURE_DATASETS
+    from dpfy.tune.names import (
+        DISTRIBUTION_NAMES,
+        FEATURE_DATASET_NAMES,
+        SEARCH_NAMES,
+        TUNING_METHOD_NAMES,
+    )
 
     assert tuple(SEARCHES) == SEARCH_NAMES
+    assert tuple(FEATURE_DATASETS) == FEATURE_DATASET_NAMES
     assert tuple(TUNING_METHODS) == TUNING_METHOD_NAMES
     assert tuple(d.value for d in TrialDistribution) == DISTRIBUTION_NAMES
 

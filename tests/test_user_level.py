@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 
@@ -16,8 +14,10 @@ import torch
 from scipy import stats
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
+from typer.testing import CliRunner
 
 import dpfy
+from dpfy.cli.app import app
 from dpfy.data.loader import rest_of_run
 from dpfy.data.user_sampling import UserDataLoader, UserPoissonSampler, check_user_ids
 from dpfy.plan.accounting import PldAccountant, dpsgd_event
@@ -511,22 +511,16 @@ def test_train_unit_user_writes_a_user_level_report(tmp_path):
 
 
 def test_train_unit_user_refuses_more_users_per_step_than_users():
-    run = subprocess.run(
-        [sys.executable, "-m", "dpfy", "train", "--unit", "user", "--users", "10",
-         "--batch-size", "20"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 2
+    args = ["train", "--unit", "user", "--users", "10", "--batch-size", "20"]
+    run = CliRunner().invoke(app, args)
+    assert run.exit_code == 2
     assert "batch_size 20 exceeds --users 10" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_train_unit_user_without_a_batch_size_expects_a_fifth_of_the_users(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "dpfy", "train", "--unit", "user", "--users", "50",
-         "--epochs", "1", "--seed", "0", "--out", str(tmp_path / "run"), "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode in (0, 3), run.stderr
+    args = ["train", "--unit", "user", "--users", "50", "--epochs", "1", "--seed", "0"]
+    run = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "run"), "--json"])
+    assert run.exit_code in (0, 3), run.stderr
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["batch_size"] == 10
     report = json.loads((tmp_path / "run" / "report.json").read_text())

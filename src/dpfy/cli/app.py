@@ -50,8 +50,12 @@ from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.plan.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.plan.accounting.events import MAX_STEPS
 from dpfy.train.cpu_allocator import keep_freed_memory
-from dpfy.tune.datasets import TUNING_DATASET_NAMES
-from dpfy.tune.names import DISTRIBUTION_NAMES, SEARCH_NAMES, TUNING_METHOD_NAMES
+from dpfy.tune.names import (
+    DISTRIBUTION_NAMES,
+    SEARCH_NAMES,
+    TUNING_DATASET_NAMES,
+    TUNING_METHOD_NAMES,
+)
 
 USAGE_ERROR = 2
 #: The exit code of a run stopped by Ctrl-C (128 + SIGINT); dpfy.jobs.outcome uses the same.
@@ -271,20 +275,18 @@ def plan(
         _emit(result, "DP-SGD plan (add-or-remove adjacency, Poisson sampling)", as_json)
 
 
-_choices = choices
-
-OptimizerChoice = _choices("OptimizerChoice", OPTIMIZER_NAMES)
-UnitChoice = _choices("UnitChoice", UNIT_NAMES)
-DatasetChoice = _choices("DatasetChoice", DATASET_NAMES)
-TuneDatasetChoice = _choices("TuneDatasetChoice", TUNING_DATASET_NAMES)
-ModelChoice = _choices("ModelChoice", MODEL_NAMES)
-EngineChoice = _choices("EngineChoice", ENGINE_NAMES)
-AlgorithmChoice = _choices("AlgorithmChoice", ALGORITHM_NAMES)
-AccessChoice = _choices("AccessChoice", ACCESS_NAMES)
-LabelMechanismChoice = _choices("LabelMechanismChoice", LABEL_MECHANISM_NAMES)
-SearchChoice = _choices("SearchChoice", SEARCH_NAMES)
-TuningMethodChoice = _choices("TuningMethodChoice", TUNING_METHOD_NAMES)
-DistributionChoice = _choices("DistributionChoice", DISTRIBUTION_NAMES)
+OptimizerChoice = choices("OptimizerChoice", OPTIMIZER_NAMES)
+UnitChoice = choices("UnitChoice", UNIT_NAMES)
+DatasetChoice = choices("DatasetChoice", DATASET_NAMES)
+TuneDatasetChoice = choices("TuneDatasetChoice", TUNING_DATASET_NAMES)
+ModelChoice = choices("ModelChoice", MODEL_NAMES)
+EngineChoice = choices("EngineChoice", ENGINE_NAMES)
+AlgorithmChoice = choices("AlgorithmChoice", ALGORITHM_NAMES)
+AccessChoice = choices("AccessChoice", ACCESS_NAMES)
+LabelMechanismChoice = choices("LabelMechanismChoice", LABEL_MECHANISM_NAMES)
+SearchChoice = choices("SearchChoice", SEARCH_NAMES)
+TuningMethodChoice = choices("TuningMethodChoice", TUNING_METHOD_NAMES)
+DistributionChoice = choices("DistributionChoice", DISTRIBUTION_NAMES)
 _SEARCH, _DISTRIBUTION = SearchChoice("clip"), DistributionChoice("poisson")
 _TUNE_MODEL = ModelChoice("mlp")
 _TUNE_DATASET = TuneDatasetChoice("digits")
@@ -580,7 +582,7 @@ def tune(
 
 
 _FED = FederatedConfig()
-ServerOptimizerChoice = _choices("ServerOptimizerChoice", SERVER_OPTIMIZER_NAMES)
+ServerOptimizerChoice = choices("ServerOptimizerChoice", SERVER_OPTIMIZER_NAMES)
 _FED_DATASET, _FED_MODEL = DatasetChoice(_FED.dataset), ModelChoice(_FED.model)
 _FED_SERVER = ServerOptimizerChoice(_FED.server_optimizer)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.data.preprocessing import Preprocessing
-from dpfy.jobs.config import DATASET_NAMES
 from dpfy.report.run_parts import PublicInput
+from dpfy.tune.names import TUNING_DATASET_NAMES
 
-__all__ = ["TUNING_DATASET_NAMES", "TuningDataset", "load_tuning_dataset"]
+__all__ = ["FEATURE_DATASETS", "TUNING_DATASET_NAMES", "TuningDataset", "load_tuning_dataset"]
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,13 @@ def _rotten_tomatoes(data_dir: Path | None, limit: int | None) -> TuningDataset:
     return TuningDataset(data, public_inputs(prepared))
 
 
-_FEATURE_DATASETS: dict[str, Callable[[Path | None, int | None], TuningDataset]] = {
+FEATURE_DATASETS: dict[str, Callable[[Path | None, int | None], TuningDataset]] = {
     "rotten-tomatoes": _rotten_tomatoes,
 }
-TUNING_DATASET_NAMES = (*DATASET_NAMES, *_FEATURE_DATASETS)
 
 
 def load_tuning_dataset(name: str, data_dir: Path | None, limit: int | None) -> TuningDataset:
     """A bundled dataset, or a feature dataset of a public pretrained model, by name."""
-    if name in _FEATURE_DATASETS:
-        return _FEATURE_DATASETS[name](data_dir, limit)
+    if name in FEATURE_DATASETS:
+        return FEATURE_DATASETS[name](data_dir, limit)
     return TuningDataset(load_dataset(name, data_dir=data_dir, limit=limit))
