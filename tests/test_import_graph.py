@@ -17,7 +17,8 @@ SOURCE = Path(dpfy.__file__).parent
 STAGES = ("plan", "data", "train", "audit", "access", "tune", "federated", "report", "jobs", "cli")
 #: Each layer may import only the layers before it (the order the README states).
 LAYERS = (
-    ("dpfy", "_validate"),  # the root package imports no module (its names load lazily)
+    ("_lazy",),  # the lazy-export helper every package __init__ uses
+    ("dpfy", "_validate"),  # the root package imports only _lazy (its names load lazily)
     ("plan",),
     ("data",),
     ("train",),

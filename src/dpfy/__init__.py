@@ -7,8 +7,7 @@ package's ``__all__``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpfy._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -29,8 +28,4 @@ _EXPORTS = {
 __all__ = [*sorted(_EXPORTS), "__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` on first use (PEP 562)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dpfy' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ answers are released, the model never is) and input-level DP (the data is privat
 training). Full-training DP-SGD lives in :mod:`dpfy.train`.
 """
 
-from typing import Any
+from dpfy._lazy import lazy_exports
 
 #: Names served lazily (PEP 562), so importing this package stays torch-free until one is used.
 _LAZY = {
@@ -24,10 +24,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import an access-model name on first use."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'dpfy.access' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -7,8 +7,7 @@ confidence (Nasr et al. 2023; Steinke, Nasr & Jagielski 2023). A correct run has
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpfy._lazy import lazy_exports
 
 #: Names loaded on first use (PEP 562), so the torch-free bounds import without torch.
 _LAZY = {
@@ -19,8 +18,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` on first use."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'dpfy.audit' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

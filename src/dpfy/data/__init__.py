@@ -8,8 +8,7 @@ the network, and record whether their preprocessing looked at the private data (
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpfy._lazy import lazy_exports
 
 #: Public names, loaded on first use (PEP 562): the sampling records and the ledger they feed
 #: stay importable without torch, so a saved report re-renders where torch is not installed.
@@ -68,8 +67,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` on first use."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dpfy.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -5,35 +5,30 @@ with progress, :mod:`~.aggregate` holds the clip → sum → noise → ÷ B_c st
 Flower adapter :mod:`dpfy.federated.flower` (imported on demand: it needs the ``flwr`` package).
 """
 
-import importlib
-from typing import Any
+from dpfy._lazy import lazy_exports
 
 # Lazy exports: ``dpfy.federated.config`` stays importable without torch (the CLI reads its
 # defaults), so the torch-backed names load on first use.
 _EXPORTS = {
-    "SERVER_OPTIMIZERS": "aggregate",
-    "ClippedSum": "aggregate",
-    "MalformedUpdate": "aggregate",
-    "ServerUpdate": "aggregate",
-    "clip_update": "aggregate",
-    "make_server_optimizer": "aggregate",
-    "DPFedAvg": "fedavg",
-    "FedAvgConfig": "fedavg",
-    "RoundResult": "fedavg",
-    "UserRoundSampler": "fedavg",
-    "calibrate_user_noise": "fedavg",
-    "check_user_datasets": "fedavg",
-    "SimulationResult": "simulation",
-    "simulate": "simulation",
-    "FederatedConfig": "config",
+    "SERVER_OPTIMIZERS": "dpfy.federated.aggregate",
+    "ClippedSum": "dpfy.federated.aggregate",
+    "MalformedUpdate": "dpfy.federated.aggregate",
+    "ServerUpdate": "dpfy.federated.aggregate",
+    "clip_update": "dpfy.federated.aggregate",
+    "make_server_optimizer": "dpfy.federated.aggregate",
+    "DPFedAvg": "dpfy.federated.fedavg",
+    "FedAvgConfig": "dpfy.federated.fedavg",
+    "RoundResult": "dpfy.federated.fedavg",
+    "UserRoundSampler": "dpfy.federated.fedavg",
+    "calibrate_user_noise": "dpfy.federated.fedavg",
+    "check_user_datasets": "dpfy.federated.fedavg",
+    "SimulationResult": "dpfy.federated.simulation",
+    "simulate": "dpfy.federated.simulation",
+    "FederatedConfig": "dpfy.federated.config",
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` on first access."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dpfy.federated' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"dpfy.federated.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

@@ -6,8 +6,7 @@ accountants.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpfy._lazy import lazy_exports
 
 _EXPORTS = {
     "PrivacyPlan": "dpfy.plan.privacy_plan",
@@ -28,8 +27,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` on first use."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dpfy.plan' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,8 +6,7 @@ building anything it does not need.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpfy._lazy import lazy_exports
 
 _EXPORTS = {
     "RunFacts": "dpfy.report.facts",
@@ -21,8 +20,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` on first use."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dpfy.report' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -8,9 +8,7 @@ light: the torch-based modules load on first use of their names.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from dpfy._lazy import lazy_exports
 from dpfy.tune.cost import TUNING_METHODS, TuningAccounting, TuningSpec, get_method
 from dpfy.tune.planner import (
     RatioAssumptionWarning,
@@ -35,11 +33,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Load the torch-based parts on first use."""
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'dpfy.tune' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
