@@ -162,3 +162,12 @@ def test_dpfy_report_on_a_label_run_points_at_its_report_card(tmp_path: Path) ->
     shown = run_dpfy("report", str(out))
     assert shown.returncode == 2
     assert f"is a --access label run: its report card is {out / 'report.md'}" in shown.stderr
+
+
+@pytest.mark.parametrize("access", ["label", "input", "prediction"])
+def test_a_one_shot_access_run_refuses_resume_before_claiming_a_directory(tmp_path, access):
+    out = tmp_path / "run"
+    config = TrainConfig(access=access, out=out)
+    with pytest.raises(ValueError, match="no checkpoint to resume"):
+        access_job(access)(config, resume=tmp_path / "earlier")
+    assert not out.exists()

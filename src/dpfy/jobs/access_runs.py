@@ -22,10 +22,9 @@ from dpfy.access.feature_bounds import bounds_for
 from dpfy.access.input_dp import InputRandomiser
 from dpfy.access.label_dp import fit_on_labels, train_label_private
 from dpfy.data.datasets import load_dataset
-from dpfy.jobs.checkpoint import FINISHED, RUNNING, write_status
-from dpfy.jobs.config import TrainConfig, check_config, public_seed, write_config
+from dpfy.jobs.config import TrainConfig, check_config, public_seed
 from dpfy.jobs.loop import accuracy
-from dpfy.jobs.run_dir import claim_run_dir, release_run_dir
+from dpfy.jobs.one_shot import run_one_shot
 from dpfy.jobs.train import TrainResult, fresh_model, train_baseline
 from dpfy.report.access_card import AccessRun, write_access_report
 from dpfy.report.access_facts import AccessFacts
@@ -48,26 +47,13 @@ def _run(
     resume: Path | None,
     body: Callable[[TrainConfig, Path, Console], TrainResult],
 ) -> TrainResult:
-    """Claim a fresh run directory, run ``body`` into it, release the claim."""
+    """Check the config, then run ``body`` in a freshly claimed run directory."""
     check_config(config)
-    if resume is not None:
-        raise ValueError(
-            f"--access {config.access} runs randomise once and train in one go; they have no "
-            "checkpoint to resume: start the run again"
-        )
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    default = Path("runs") / (
-        f"{config.dataset}-{config.model}-{config.access}-eps{config.target_epsilon:g}-{stamp}"
+    no_resume = (
+        f"--access {config.access} runs randomise once and train in one go; they have no "
+        "checkpoint to resume: start the run again"
     )
-    run_dir = claim_run_dir(config.out, default)
-    try:
-        write_config(config, run_dir)
-        write_status(run_dir, RUNNING, 0, 1)
-        result = body(config, run_dir, console or Console())
-        write_status(run_dir, FINISHED, 1, 1)
-        return result
-    finally:
-        release_run_dir(run_dir)
+    return run_one_shot(config, resume, no_resume, lambda d: body(config, d, console or Console()))
 
 
 def _finish(

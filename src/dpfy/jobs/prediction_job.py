@@ -23,9 +23,8 @@ from dpfy.access.prediction import PrivateEnsemble
 from dpfy.access.prediction_aggregator import UNANSWERED, GNMax
 from dpfy.access.prediction_ledger import QueryBudgetExhausted
 from dpfy.data.datasets import load_dataset
-from dpfy.jobs.checkpoint import FINISHED, RUNNING, write_status
-from dpfy.jobs.config import TrainConfig, check_config, write_config
-from dpfy.jobs.run_dir import claim_run_dir, release_run_dir
+from dpfy.jobs.config import TrainConfig, check_config
+from dpfy.jobs.one_shot import run_one_shot
 from dpfy.jobs.train import TrainResult
 from dpfy.report.access_facts import AccessFacts
 from dpfy.report.access_pitfalls import access_findings
@@ -200,25 +199,18 @@ def run_prediction_training(
 ) -> TrainResult:
     """``dpfy train --access prediction``: claim a run directory, then run the job into it."""
     _check(config)
-    if resume is not None:
-        raise ValueError(
-            "--access prediction trains its teachers in one go and has no checkpoint to resume; "
-            "serve the saved ensemble.pt with PrivateEnsemble.load instead"
-        )
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    default = Path("runs") / (
-        f"{config.dataset}-{config.model}-prediction-eps{config.target_epsilon:g}-{stamp}"
+    no_resume = (
+        "--access prediction trains its teachers in one go and has no checkpoint to resume; "
+        "serve the saved ensemble.pt with PrivateEnsemble.load instead"
     )
-    run_dir = claim_run_dir(config.out, default)
-    try:
-        write_config(config, run_dir)
-        write_status(run_dir, RUNNING, 0, 1)
-        result = run_prediction_job(config, run_dir, console=console or Console())
-        write_status(run_dir, FINISHED, 1, 1)
-    finally:
-        release_run_dir(run_dir)
+    result = run_one_shot(
+        config,
+        resume,
+        no_resume,
+        lambda d: run_prediction_job(config, d, console=console or Console()),
+    )
     return TrainResult(
-        run_dir,
+        result.run_dir,
         result.answered_accuracy or 0.0,
         None,
         result.epsilon,
