@@ -9,11 +9,11 @@ the accounting, the results, and the pitfalls found.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dpfy.report.access_card_layout import findings_lines, render_card, write_card
 from dpfy.report.access_facts import AccessFacts, access_statement
 from dpfy.report.pitfalls import Finding
 
@@ -90,61 +90,29 @@ def _accounting_lines(run: AccessRun) -> list[str]:
     ]
 
 
-def _findings_lines(findings: tuple[Finding, ...]) -> list[str]:
-    """The pitfalls, or a line saying none were found."""
-    if not findings:
-        return ["No pitfalls found."]
-    return [
-        f"- **{f.severity.value.upper()}** {f.code}: {f.title} — {f.evidence} Fix: {f.fix}"
-        for f in findings
-    ]
-
-
 def render_access_report(run: AccessRun, findings: tuple[Finding, ...]) -> str:
     """The report card as Markdown."""
     results = [f"- test accuracy: {run.accuracy:.4f}" if run.accuracy is not None else "- none"]
     if run.baseline_accuracy is not None:
         baseline = run.baseline_accuracy
         results.append(f"- non-private baseline (same model, true data): {baseline:.4f}")
-    lines = [
-        f"# Privacy report: {run.dataset}, {run.model}",
-        "",
-        "## 1. DP setting",
-        "",
-        access_statement(run.access),
-        "",
-        "## 2. What is released",
-        "",
-        f"Released: {_RELEASED[run.access.model]}.",
-        "",
-        "## 3. Unit of privacy and neighbouring relation",
-        "",
-        f"Unit: one {'example’s label' if run.access.model == 'label' else 'record'}; "
-        f"{_RELATION[run.access.model]}. ε under different relations is not comparable.",
-        "",
-        "## 4. Accounting",
-        "",
-        *_accounting_lines(run),
-        "",
-        "## 5. Data",
-        "",
-        f"{run.dataset}: {run.train_size} training examples ({run.dataset_source}).",
-        "",
-        "## 6. Results",
-        "",
-        *results,
-        "",
-        "## 7. Pitfalls",
-        "",
-        *_findings_lines(findings),
-    ]
-    return "\n".join(lines) + "\n"
+    unit = "example’s label" if run.access.model == "label" else "record"
+    bodies = (
+        [access_statement(run.access)],
+        [f"Released: {_RELEASED[run.access.model]}."],
+        [
+            f"Unit: one {unit}; {_RELATION[run.access.model]}. ε under different relations is "
+            "not comparable."
+        ],
+        _accounting_lines(run),
+        [f"{run.dataset}: {run.train_size} training examples ({run.dataset_source})."],
+        results,
+        findings_lines(findings),
+    )
+    return render_card(f"{run.dataset}, {run.model}", bodies)
 
 
 def write_access_report(run: AccessRun, findings: tuple[Finding, ...], run_dir: Path) -> Path:
     """Write ``report.md`` and ``report.json`` (the run and its findings) into ``run_dir``."""
     document = {**run.to_dict(), "pitfalls": [f.to_dict() for f in findings]}
-    (run_dir / "report.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    target = run_dir / "report.md"
-    target.write_text(render_access_report(run, findings), encoding="utf-8")
-    return target
+    return write_card(run_dir, document, render_access_report(run, findings))

@@ -9,11 +9,11 @@ accounting, data, results, pitfalls.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpfy.report.access_card_layout import findings_lines, render_card, write_card
 from dpfy.report.access_facts import AccessFacts, access_statement
 from dpfy.report.pitfalls import Finding
 
@@ -84,16 +84,6 @@ def _accounting_lines(run: PredictionRun) -> list[str]:
     return lines
 
 
-def _findings_lines(findings: tuple[Finding, ...]) -> list[str]:
-    """The pitfalls, or a line saying none were found."""
-    if not findings:
-        return ["No pitfalls found."]
-    return [
-        f"- **{f.severity.value.upper()}** {f.code}: {f.title} — {f.evidence} Fix: {f.fix}"
-        for f in findings
-    ]
-
-
 def render_prediction_report(run: PredictionRun, findings: tuple[Finding, ...]) -> str:
     """The report card as Markdown."""
     accuracy = (
@@ -101,50 +91,36 @@ def render_prediction_report(run: PredictionRun, findings: tuple[Finding, ...]) 
         if run.answered_accuracy is not None
         else "- no query was answered"
     )
-    lines = [
-        f"# Privacy report: {run.dataset}, {run.teachers} × {run.model} teachers",
-        "",
-        "## 1. DP setting",
-        "",
-        access_statement(run.access),
-        "",
-        "## 2. What is released",
-        "",
-        "Released: only the answers to the queries (one noisy-argmax label per query). The "
-        "teachers are trained without noise and are not private: they are never released. "
-        "`ensemble.pt` holds them for the server alone — keep it with the private data and "
-        "never publish it.",
-        "",
-        "## 3. Unit of privacy and neighbouring relation",
-        "",
-        f"Unit: one training record; relation {run.relation} (guide §2.1). Each record belongs "
-        "to one teacher, by a hash of the record alone, so one record moves one teacher's vote "
-        "(two under replace-one). The number of teachers and σ are set before training from "
-        "the dataset size N alone, which is treated as public (as DP-SGD's sampling rate "
-        "B/N is): a neighbouring dataset is served by the same number of teachers. If N "
-        "itself is secret, fix the number of teachers in advance rather than deriving it. "
-        "ε under different relations is not comparable.",
-        "",
-        "## 4. Accounting",
-        "",
-        *_accounting_lines(run),
-        "",
-        "## 5. Data",
-        "",
-        f"{run.dataset}: {run.train_size} training examples ({run.dataset_source}), split into "
-        f"{run.teachers} disjoint partitions, one per teacher.",
-        "",
-        "## 6. Results",
-        "",
-        f"- queries offered (the test split): {run.queries_offered}; answered: "
-        f"{run.queries_answered} of {run.queries_asked} accounted",
-        accuracy,
-        "",
-        "## 7. Pitfalls",
-        "",
-        *_findings_lines(findings),
-    ]
-    return "\n".join(lines) + "\n"
+    bodies = (
+        [access_statement(run.access)],
+        [
+            "Released: only the answers to the queries (one noisy-argmax label per query). The "
+            "teachers are trained without noise and are not private: they are never released. "
+            "`ensemble.pt` holds them for the server alone — keep it with the private data and "
+            "never publish it."
+        ],
+        [
+            f"Unit: one training record; relation {run.relation} (guide §2.1). Each record "
+            "belongs to one teacher, by a hash of the record alone, so one record moves one "
+            "teacher's vote (two under replace-one). The number of teachers and σ are set "
+            "before training from the dataset size N alone, which is treated as public (as "
+            "DP-SGD's sampling rate B/N is): a neighbouring dataset is served by the same number "
+            "of teachers. If N itself is secret, fix the number of teachers in advance rather "
+            "than deriving it. ε under different relations is not comparable."
+        ],
+        _accounting_lines(run),
+        [
+            f"{run.dataset}: {run.train_size} training examples ({run.dataset_source}), split "
+            f"into {run.teachers} disjoint partitions, one per teacher."
+        ],
+        [
+            f"- queries offered (the test split): {run.queries_offered}; answered: "
+            f"{run.queries_answered} of {run.queries_asked} accounted",
+            accuracy,
+        ],
+        findings_lines(findings),
+    )
+    return render_card(f"{run.dataset}, {run.teachers} × {run.model} teachers", bodies)
 
 
 def write_prediction_report(
@@ -152,7 +128,4 @@ def write_prediction_report(
 ) -> Path:
     """Write ``report.md`` and ``report.json`` (the run and its findings) into ``run_dir``."""
     document = {**run.to_dict(), "pitfalls": [f.to_dict() for f in findings]}
-    (run_dir / "report.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    target = run_dir / "report.md"
-    target.write_text(render_prediction_report(run, findings), encoding="utf-8")
-    return target
+    return write_card(run_dir, document, render_prediction_report(run, findings))
