@@ -246,6 +246,53 @@ def test_conv_ghost_and_direct_routes_match_reference(monkeypatch, ghost, microb
     assert_matches_reference(model1d, x1, y1, microbatch=microbatch)
 
 
+POSITION_GRAM_CASES = {
+    "3x3 padded": (lambda: nn.Conv2d(4, 6, 3, padding=1), (5, 4, 6, 7)),
+    "strided, dilated, grouped": (
+        lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2),
+        (5, 4, 9, 8),
+    ),
+    "2x3 same, reflect, no bias": (
+        lambda: nn.Conv2d(3, 4, (2, 3), padding="same", padding_mode="reflect", bias=False),
+        (5, 3, 6, 6),
+    ),
+    "1x1": (lambda: nn.Conv2d(2, 4, 1), (5, 2, 3, 3)),
+    "1-d strided circular": (
+        lambda: nn.Conv1d(2, 4, 3, stride=2, dilation=2, padding=2, padding_mode="circular"),
+        (5, 2, 11),
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
+@pytest.mark.parametrize("position_gram", [True, False])
+@pytest.mark.parametrize("case", sorted(POSITION_GRAM_CASES))
+def test_conv_ghost_norms_from_the_input_positions_gram_match_reference(
+    monkeypatch, case, position_gram
+) -> None:
+    """The patches' Gram summed from the input positions' Gram is exact, wherever it is used."""
+    import dpfy.train.grads.rules.conv as conv
+
+    monkeypatch.setattr(conv, "use_ghost", lambda *shape: True)
+    monkeypatch.setattr(conv, "position_gram_is_cheaper", lambda *shape: position_gram)
+    calls = []
+    monkeypatch.setattr(conv, "patch_gram", lambda *a: calls.append(1) or conv_patch_gram(*a))
+    make_conv, shape = POSITION_GRAM_CASES[case]
+    torch.manual_seed(16)
+    model = nn.Sequential(make_conv(), nn.Tanh(), nn.Flatten(), nn.LazyLinear(2))
+    x = torch.randn(*shape)
+    model(x)  # materialise the lazy layer
+    assert_matches_reference(model, x, torch.randn(shape[0], 2), kinds=("fast",))
+    assert bool(calls) == position_gram
+
+
+def conv_patch_gram(*args: object) -> Tensor:
+    """The module's own patch_gram (the test wraps it to see that it ran)."""
+    from dpfy.train.grads.rules._patch_gram import patch_gram
+
+    return patch_gram(*args)
+
+
 @pytest.mark.filterwarnings("ignore:Using padding='same'")
 @FEW
 @given(

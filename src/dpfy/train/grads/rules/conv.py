@@ -9,9 +9,10 @@ gradient is Σ_t g_t a_tᵀ per group. Two exact routes, chosen by the ``_biline
   "Efficient per-example gradient computations in convolutional neural networks"), one
   ``convolution_backward`` call, or for small inputs one batched product of unfolded patches
   and output gradients; the per-unit gradients are kept for the clipped sum;
-* ghost (large kernels, few positions): unfold into patches, Gram matrices of patches and
-  output gradients; the clipped sum is then the weight gradient of the convolution for output
-  gradients scaled by the clip weights (book-keeping, Bu et al. 2023).
+* ghost (large kernels, few positions): Gram matrices of patches and output gradients (the
+  patches' Gram from the Gram of input positions where that is cheaper, :mod:`._patch_gram`);
+  the clipped sum is then the weight gradient of the convolution for output gradients scaled
+  by the clip weights (book-keeping, Bu et al. 2023).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from dpfy.train.grads.layout import SLICE_ABOVE_BYTES, batch_slices, group_posit
 from dpfy.train.grads.norms import sq_norm
 from dpfy.train.grads.registry import LayerRule, register_rule
 from dpfy.train.grads.rows import Rows
-from dpfy.train.grads.rules._bilinear import ghost_sq_norms, use_ghost
+from dpfy.train.grads.rules._bilinear import ghost_sq_norms, gram, use_ghost
+from dpfy.train.grads.rules._patch_gram import patch_gram, position_gram_is_cheaper
 
 
 def _padded(layer: nn.Module, x: Tensor) -> tuple[Tensor, list[int]]:
@@ -79,8 +81,7 @@ def _per_example_weight_grads(layer: nn.Module, call: Call) -> Rows:
             cols = _unfold(layer, x)
             grads = torch.bmm(g.reshape(g.shape[0], g.shape[1], -1), cols.transpose(1, 2))
         else:
-            a, gg = _patches(layer, x, g)  # (B, G, T, d_g), (B, G, T, p_g)
-            a, gg = a.reshape(-1, *a.shape[2:]), gg.reshape(-1, *gg.shape[2:])
+            a, gg = _patches(layer, x, g)  # (B·G, T, d_g), (B·G, T, p_g)
             grads = torch.bmm(gg.transpose(1, 2), a)
         return Rows((grads.reshape(x.shape[0], -1),))
     parts = []
@@ -119,23 +120,71 @@ def _unfold(layer: nn.Module, x: Tensor) -> Tensor:
 
 
 def _patches(layer: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """Per example and group: patches (B, G, T, d_g) and output gradients (B, G, T, p_g)."""
-    cols = _unfold(layer, x)  # (B, C·k, T)
-    batch, groups = x.shape[0], layer.groups
+    """Per example and group: patches (B·G, T, d_g) and output gradients (B·G, T, p_g).
+
+    Both are transposed views of channel-major tensors (the unfolded input, the output
+    gradient), not copies: Gram matrices and products read them as they lie.
+    """
+    cols = _unfold(layer, x)  # (B, C·k, T), each group's channels contiguous
+    units = x.shape[0] * layer.groups  # explicit: B may be 0
     positions = cols.shape[-1]
-    d_g, p_g = cols.shape[1] // groups, layer.out_channels // groups  # explicit: B may be 0
-    a = cols.reshape(batch, groups, d_g, positions).transpose(2, 3)  # (B, G, T, d_g)
-    g = g.reshape(batch, groups, p_g, positions).transpose(2, 3)  # (B, G, T, p_g)
+    d_g, p_g = cols.shape[1] // layer.groups, layer.out_channels // layer.groups
+    a = cols.reshape(units, d_g, positions).transpose(1, 2)
+    g = g.reshape(units, p_g, positions).transpose(1, 2)
     return a, g
 
 
 def _patches_and_grads(layer: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
     """Per unit and group: patches (U·G, T, d_g) and output gradients (U·G, T, p_g)."""
     a, g = _patches(layer, call.inputs[0], call.grads[0])
-    if call.group > 1:  # merge each microbatch's positions: (B, G, T, ·) → (U, G, k·T, ·)
-        a = group_positions(a.transpose(1, 2), call.group).transpose(1, 2)
-        g = group_positions(g.transpose(1, 2), call.group).transpose(1, 2)
+    if call.group == 1:
+        return a, g
+    # Merge each microbatch's positions: (B, G, T, ·) → (U, G, k·T, ·).
+    batch, groups = call.inputs[0].shape[0], layer.groups
+    a, g = (t.reshape(batch, groups, *t.shape[1:]).transpose(1, 2) for t in (a, g))
+    a = group_positions(a, call.group).transpose(1, 2)
+    g = group_positions(g, call.group).transpose(1, 2)
     return a.reshape(-1, *a.shape[2:]), g.reshape(-1, *g.shape[2:])
+
+
+def _ghost_sq_norms(layer: nn.Module, call: Call) -> Tensor:
+    """Per unit ‖Σ_t g_t a_tᵀ‖² = ⟨A Aᵀ, Γ Γᵀ⟩, summed over groups: (U,)."""
+    patches_gram = _position_gram(layer, call)
+    if patches_gram is None:
+        norms = ghost_sq_norms(*_patches_and_grads(layer, call))
+    else:
+        g = call.grads[0]
+        units, positions = g.shape[0] * layer.groups, math.prod(g.shape[2:])
+        grads = g.reshape(units, layer.out_channels // layer.groups, positions).transpose(1, 2)
+        norms = (patches_gram * gram(grads)).sum((1, 2))
+    return norms.reshape(-1, layer.groups).sum(1)
+
+
+def _position_gram(layer: nn.Module, call: Call) -> Tensor | None:
+    """Each example's patches' Gram (B·G, T, T) from the input positions' Gram, where cheaper.
+
+    None for microbatches (a unit's positions span several examples' inputs) and where
+    unfolding costs less (strided layers, mostly).
+    """
+    if call.group > 1:
+        return None
+    x = _fully_padded(layer, call.inputs[0])
+    out = tuple(call.grads[0].shape[2:])
+    kernel, stride, dilation = layer.kernel_size, layer.stride, layer.dilation
+    if isinstance(layer, nn.Conv1d):  # as 2-D with a height of one
+        x = x.unsqueeze(2)
+        kernel, stride, dilation, out = (1, *kernel), (1, *stride), (1, *dilation), (1, *out)
+    if not position_gram_is_cheaper(x.shape[2:], out, kernel):
+        return None
+    return patch_gram(x, layer.groups, out, kernel, stride, dilation)
+
+
+def _fully_padded(layer: nn.Module, x: Tensor) -> Tensor:
+    """The input with all the padding the forward applies, zeros included."""
+    x, padding = _padded(layer, x)
+    if any(padding):
+        x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
+    return x
 
 
 def _ghost(layer: nn.Module, call: Call) -> bool:
@@ -180,8 +229,7 @@ class ConvRule(LayerRule):
         total = g.new_zeros(call.num_units)
         if "weight" in call.trainable:
             if _ghost(layer, call):
-                a, gg = _patches_and_grads(layer, call)
-                total = total + ghost_sq_norms(a, gg).reshape(-1, layer.groups).sum(1)
+                total = total + _ghost_sq_norms(layer, call)
             else:
                 unit_grads = _per_unit(_per_example_weight_grads(layer, call).joined(), call.group)
                 call.cache["weight"] = unit_grads
