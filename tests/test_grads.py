@@ -274,7 +274,7 @@ def test_conv_ghost_norms_from_the_input_positions_gram_match_reference(
     import dpfy.train.grads.rules.conv as conv
 
     monkeypatch.setattr(conv, "use_ghost", lambda *shape: True)
-    monkeypatch.setattr(conv, "position_gram_is_cheaper", lambda *shape: position_gram)
+    monkeypatch.setattr(conv, "use_position_gram", lambda *shape: position_gram)
     calls = []
     monkeypatch.setattr(conv, "patch_gram", lambda *a: calls.append(1) or conv_patch_gram(*a))
     make_conv, shape = POSITION_GRAM_CASES[case]

@@ -16,19 +16,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["patch_gram", "position_gram_is_cheaper"]
+__all__ = ["patch_gram", "use_position_gram"]
 
 
-def position_gram_is_cheaper(
-    padded: Sequence[int], out: Sequence[int], kernel: Sequence[int]
-) -> bool:
-    """Whether P (padded positions²) costs no more than the patches' Gram (T² · kernel size).
+def use_position_gram(padded: Sequence[int], out: Sequence[int], patch: int) -> bool:
+    """Whether P, (H_p·W_p)² numbers per unit, holds at most twice the unfold route's numbers.
 
-    Per channel, P takes (H_p·W_p)² products and the patches' Gram T² · k; stride-1 layers
-    pass (the padded input is barely larger than the output), strided ones usually do not.
+    Unfolding holds T·d patch values and the T² Gram per unit (d = ``patch``, the values under
+    the kernel). Twice that admits the padding and the strided layers of small inputs, where
+    P is also faster than unfolding (docs/performance.md); it refuses a strided layer on a large
+    input, whose P would hold ≈ 16 T² numbers per unit.
     """
     positions, padded_positions = math.prod(out), math.prod(padded)
-    return padded_positions * padded_positions <= positions * positions * math.prod(kernel)
+    return padded_positions * padded_positions <= 2 * positions * (patch + positions)
 
 
 def patch_gram(

@@ -10,7 +10,8 @@ gradient is Σ_t g_t a_tᵀ per group. Two exact routes, chosen by the ``_biline
   ``convolution_backward`` call, or for small inputs one batched product of unfolded patches
   and output gradients; the per-unit gradients are kept for the clipped sum;
 * ghost (large kernels, few positions): Gram matrices of patches and output gradients (the
-  patches' Gram from the Gram of input positions where that is cheaper, :mod:`._patch_gram`);
+  patches' Gram summed from the Gram of the input's positions, :mod:`._patch_gram`, unless
+  that would take more memory than unfolding the patches);
   the clipped sum is then the weight gradient of the convolution for output gradients scaled
   by the clip weights (book-keeping, Bu et al. 2023).
 """
@@ -29,7 +30,7 @@ from dpfy.train.grads.norms import sq_norm
 from dpfy.train.grads.registry import LayerRule, register_rule
 from dpfy.train.grads.rows import Rows
 from dpfy.train.grads.rules._bilinear import ghost_sq_norms, gram, use_ghost
-from dpfy.train.grads.rules._patch_gram import patch_gram, position_gram_is_cheaper
+from dpfy.train.grads.rules._patch_gram import patch_gram, use_position_gram
 
 
 def _padded(layer: nn.Module, x: Tensor) -> tuple[Tensor, list[int]]:
@@ -163,8 +164,8 @@ def _ghost_sq_norms(layer: nn.Module, call: Call) -> Tensor:
 def _position_gram(layer: nn.Module, call: Call) -> Tensor | None:
     """Each example's patches' Gram (B·G, T, T) from the input positions' Gram, where cheaper.
 
-    None for microbatches (a unit's positions span several examples' inputs) and where
-    unfolding costs less (strided layers, mostly).
+    None for microbatches (a unit's positions span several examples' inputs) and where P
+    would hold much more than the unfolded patches (strided layers on large inputs).
     """
     if call.group > 1:
         return None
@@ -174,7 +175,7 @@ def _position_gram(layer: nn.Module, call: Call) -> Tensor | None:
     if isinstance(layer, nn.Conv1d):  # as 2-D with a height of one
         x = x.unsqueeze(2)
         kernel, stride, dilation, out = (1, *kernel), (1, *stride), (1, *dilation), (1, *out)
-    if not position_gram_is_cheaper(x.shape[2:], out, kernel):
+    if not use_position_gram(x.shape[2:], out, math.prod(layer.weight.shape[1:])):
         return None
     return patch_gram(x, layer.groups, out, kernel, stride, dilation)
 
