@@ -266,6 +266,31 @@ def test_conv1d_has_a_fast_rule_and_only_the_real_class_gets_it() -> None:
     assert find_rule(namesake()) is None
 
 
+class Conv1DStack(nn.Module):
+    """Two ``Conv1D`` layers (in 6 → 8 → 2): wide enough for the ghost route at T = 4, and not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Conv1D(8, 6), Conv1D(2, 8)
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        out = self.second(torch.tanh(self.first(input_ids)))
+        return (out - labels).square().flatten(1).sum(1).mean()
+
+
+@pytest.mark.parametrize("bias", ["trained", "frozen"])
+@pytest.mark.parametrize("positions", [None, 1, 4])
+def test_conv1d_layers_match_a_per_example_loop(positions: int | None, bias: str) -> None:
+    """Conv1D's transposed weight on every route: one position (rank one), direct and ghost."""
+    torch.manual_seed(3)
+    model = Conv1DStack()
+    if bias == "frozen":
+        model.first.bias.requires_grad_(False)
+    shape = (BATCH,) if positions is None else (BATCH, positions)
+    batch = {"input_ids": torch.randn(*shape, 6), "labels": torch.randn(*shape, 2)}
+    assert_exact(model, batch, ("fast", "vmap"))
+
+
 def test_importing_dpfy_does_not_import_transformers() -> None:
     code = "import sys, dpfy, dpfy.train.grads; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

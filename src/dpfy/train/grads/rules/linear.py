@@ -1,8 +1,14 @@
-"""Rule for ``nn.Linear`` on inputs (B, d) or sequences (B, *, d)."""
+"""Rule for ``nn.Linear`` on inputs (B, d) or sequences (B, *, d), and for weights stored (in, out).
+
+A unit's weight gradient is Σ_t g_t a_tᵀ; a layer that stores its weight transposed (Hugging
+Face's ``Conv1D``, :mod:`.hf_conv1d`) has the transpose, Σ_t a_t g_tᵀ: the same norms and the
+same book-keeping products with the two sides swapped (``transposed``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -28,30 +34,39 @@ def _units(x: Tensor, group: int) -> Tensor:
 
 @register_rule(nn.Linear)
 class LinearRule(LayerRule):
-    """Weight gradient Σ_t g_t a_tᵀ, bias gradient Σ_t g_t, per unit."""
+    """Weight gradient Σ_t g_t a_tᵀ (Σ_t a_t g_tᵀ when ``transposed``), bias Σ_t g_t, per unit."""
 
     factored = frozenset({"weight", "bias"})
+    #: Whether the weight is stored (in, out), so that its gradient is Σ_t a_t g_tᵀ.
+    transposed: ClassVar[bool] = False
 
-    @staticmethod
-    def factors(layer: nn.Module, call: Call, name: str) -> tuple[Tensor, Tensor]:
-        """Weight: L = g, R = a; bias: L = g, R = 1 (so that Σ_t L_t R_tᵀ is the gradient)."""
-        g = _units(call.grads[0], call.group)
+    @classmethod
+    def sides(cls, call: Call) -> tuple[Tensor, Tensor]:
+        """(R, L) as (U, T, ·), the weight gradient being Σ_t L_t R_tᵀ: (a, g), or (g, a)."""
+        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
+        return (g, a) if cls.transposed else (a, g)
+
+    @classmethod
+    def factors(cls, layer: nn.Module, call: Call, name: str) -> tuple[Tensor, Tensor]:
+        """Weight: (L, R) of :meth:`sides`; bias: L = g, R = 1 (Σ_t L_t R_tᵀ is the gradient)."""
         if name == "bias":
+            g = _units(call.grads[0], call.group)
             return g, g.new_ones(*g.shape[:2], 1)
-        return g, _units(call.inputs[0], call.group)
+        right, left = cls.sides(call)
+        return left, right
 
-    @staticmethod
-    def sq_norms(layer: nn.Module, call: Call) -> Tensor:
+    @classmethod
+    def sq_norms(cls, layer: nn.Module, call: Call) -> Tensor:
         """Direct, rank-one or ghost norm of the weight gradient plus the bias norm."""
         single = _one_position(call)
         if single is not None:
             # One position: ‖g aᵀ‖² + ‖g‖² = (‖a‖² + 1)·‖g‖², one norm of g for both.
             g_sq = sq_norm(single[1], 1)
             return torch.addcmul(g_sq, sq_norm(single[0], 1), g_sq)
-        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
-        total = a.new_zeros(a.shape[0])
+        g = _units(call.grads[0], call.group)
+        total = g.new_zeros(g.shape[0])
         if "weight" in call.trainable:
-            sq, unit_grads = weight_sq_norms(a, g)
+            sq, unit_grads = weight_sq_norms(*cls.sides(call))  # direct: (U, L's, R's width)
             total = total + sq
             if unit_grads is not None:
                 call.cache["weight"] = unit_grads
@@ -59,24 +74,25 @@ class LinearRule(LayerRule):
             total = total + bias_sq_norms(g, call.cache)
         return total
 
-    @staticmethod
-    def clipped_sum(layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
+    @classmethod
+    def clipped_sum(cls, layer: nn.Module, call: Call, weights: Tensor) -> dict[str, Tensor]:
         """Book-keeping: Aᵀ diag(w) Γ for the weight, wᵀ Σ_t Γ for the bias."""
-        return LinearRule.add_clipped_sum(layer, call, weights, {})
+        return cls.add_clipped_sum(layer, call, weights, {})
 
-    @staticmethod
-    def add_clipped_sum(  # type: ignore[override]
-        layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
+    @classmethod
+    def add_clipped_sum(
+        cls, layer: nn.Module, call: Call, weights: Tensor, into: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
         """The weight's product is added straight into the running sum when there is one."""
         single = _one_position(call)
         if single is not None:
-            return _rank_one_sums(*single, weights, into)
-        a, g = _units(call.inputs[0], call.group), _units(call.grads[0], call.group)
+            return _rank_one_sums(*single, weights, into, cls.transposed)
+        g = _units(call.grads[0], call.group)
         out = {}
         if "weight" in call.trainable:
             slot = into.get("weight")
-            total = weighted_weight_sum(a, g, weights, call.cache.get("weight"), slot)
+            right, left = cls.sides(call)
+            total = weighted_weight_sum(right, left, weights, call.cache.get("weight"), slot)
             if slot is None:
                 out["weight"] = total
         if "bias" in call.trainable:
@@ -104,9 +120,9 @@ def _one_position(call: Call) -> tuple[Tensor, Tensor] | None:
 
 
 def _rank_one_sums(
-    a: Tensor, g: Tensor, weights: Tensor, into: Mapping[str, Tensor]
+    a: Tensor, g: Tensor, weights: Tensor, into: Mapping[str, Tensor], transposed: bool
 ) -> dict[str, Tensor]:
-    """One position, weight and bias: Σ_u w_u g_u a_uᵀ and Σ_u w_u g_u.
+    """One position, weight and bias: Σ_u w_u g_u a_uᵀ (or its transpose) and Σ_u w_u g_u.
 
     The weight's sum is one product with the narrower side scaled by w (gᵀ's columns when it
     is not wider than a); the bias's is one matrix-vector product gᵀw from the same gᵀ. Each
@@ -118,6 +134,8 @@ def _rank_one_sums(
         left, right = gt, a * w[:, None]
     else:
         left, right = gt * w, a
+    if transposed:  # Σ_u w_u a_u g_uᵀ = (right)ᵀ (left)ᵀ
+        left, right = right.t(), left.t()
     slot = into.get("weight")
     total = product_into(left, right, slot)
     out = {} if slot is not None else {"weight": total}
