@@ -84,7 +84,7 @@ def _runs(
     """The non-private baseline and one DP run per ε at ``config.seed``, each recorded."""
     common = {**common, "seed": config.seed}
     t0 = time.perf_counter()
-    baseline = train_non_private(prepared, config)
+    baseline = train_non_private(prepared, config, console)
     seconds = time.perf_counter() - t0
     print(f"seed {config.seed} non-private: {baseline:.4f} ({seconds:.0f} s)")
     _record(out, {**common, "run": "non-private", "test_accuracy": baseline,

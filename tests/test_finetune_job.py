@@ -65,10 +65,11 @@ def test_the_command_runs_and_prints_where_the_report_is(
     out = tmp_path / "cli-run"
     args = ["--model-dir", str(model_dir), "--data-dir", str(data_dir), "--mode", "head",
             "--epochs", "1", "--batch-size", "40", "--limit", "80", "--max-length", "8",
-            "--out", str(out)]  # fmt: skip
+            "--out", str(out), "--baseline"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert f"report: {out}/report.md" in result.output
+    assert "DP fine-tuning" in result.output and "baseline without privacy" in result.output
 
 
 def test_a_bad_mode_is_one_error_line_and_exit_code_2(model_dir: Path, tmp_path: Path) -> None:

@@ -126,10 +126,13 @@ def train_private(
     return history
 
 
-def train_non_private(prepared: Prepared, config: FinetuneConfig) -> float:
+def train_non_private(
+    prepared: Prepared, config: FinetuneConfig, console: Console | None = None
+) -> float:
     """The same model, optimizer and schedule without privacy: what DP is compared to.
 
-    Shuffled batches of B for ⌈E⌉ epochs from the same public starting point.
+    Shuffled batches of B for ⌈E⌉ epochs from the same public starting point; a progress bar
+    on ``console`` (none without one).
     """
     prepared.reset()
     model = prepared.trainable
@@ -138,12 +141,18 @@ def train_non_private(prepared: Prepared, config: FinetuneConfig) -> float:
     loader = DataLoader(prepared.train, batch_size=config.batch_size, shuffle=True,
                         generator=generator)  # fmt: skip
     criterion = nn.CrossEntropyLoss()
+    epochs = max(1, math.ceil(config.epochs))
     model.train()
-    for _ in range(max(1, math.ceil(config.epochs))):
-        for *inputs, labels in loader:
-            optimizer.zero_grad()
-            criterion(model(*inputs), labels).backward()
-            optimizer.step()
+    with _progress(console or Console(quiet=True)) as progress:
+        task = progress.add_task("baseline without privacy", total=epochs * len(loader),
+                                 loss=math.nan, acc=math.nan, eps="none")  # fmt: skip
+        for _ in range(epochs):
+            for *inputs, labels in loader:
+                optimizer.zero_grad()
+                loss = criterion(model(*inputs), labels)
+                loss.backward()
+                optimizer.step()
+                progress.update(task, advance=1, loss=float(loss.detach()))
     return evaluate(model, prepared.test)
 
 
@@ -204,7 +213,7 @@ def _finetune_into(run_dir: Path, config: FinetuneConfig, console: Console) -> F
         history = train_private(private, prepared.test, console)
     private.detach()
     accuracy = history[-1]["test_accuracy"]
-    baseline = _baseline_keeping_private(prepared, config) if config.baseline else None
+    baseline = _baseline_keeping_private(prepared, config, console) if config.baseline else None
     seconds = time.perf_counter() - started
     torch.save(prepared.classifier.state_dict(), run_dir / "model.pt")
     write_history(run_dir / "history.json", history)
@@ -230,12 +239,14 @@ def _finetune_into(run_dir: Path, config: FinetuneConfig, console: Console) -> F
                           private.plan.delta, seconds, history)  # fmt: skip
 
 
-def _baseline_keeping_private(prepared: Prepared, config: FinetuneConfig) -> float:
+def _baseline_keeping_private(
+    prepared: Prepared, config: FinetuneConfig, console: Console
+) -> float:
     """The non-private baseline's accuracy; the private model's values are put back after it
     (the baseline trains the same modules from the same starting point)."""
     private_values = {k: v.detach().clone() for k, v in prepared.trainable.state_dict().items()}
     try:
-        return train_non_private(prepared, config)
+        return train_non_private(prepared, config, console)
     finally:
         prepared.trainable.load_state_dict(private_values)
 
