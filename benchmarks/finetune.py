@@ -13,7 +13,7 @@ The hyperparameters are fixed a priori (see docs/finetuning.md), not tuned on th
 choice made by looking at these test accuracies would itself be tuning on held-out data.
 
     .venv/bin/python benchmarks/finetune.py                       # head, 20 epochs, B 1024
-    .venv/bin/python benchmarks/finetune.py --mode last-1 --epochs 3
+    .venv/bin/python benchmarks/finetune.py --mode last-1         # top layer + head, same schedule
 
 The other table of issue 18, step time and peak memory of fine-tuning (MiniLM full / last-2 /
 LoRA, ResNet-18-GN, GPT-2 small) against non-private and Opacus, is
