@@ -162,7 +162,7 @@ def _ghost_sq_norms(layer: nn.Module, call: Call) -> Tensor:
 
 
 def _position_gram(layer: nn.Module, call: Call) -> Tensor | None:
-    """Each example's patches' Gram (B·G, T, T) from the input positions' Gram, where cheaper.
+    """Each example's patches' Gram (B·G, T, T) from the input positions' Gram, or None.
 
     None for microbatches (a unit's positions span several examples' inputs) and where P
     would hold much more than the unfolded patches (strided layers on large inputs).
