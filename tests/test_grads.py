@@ -275,8 +275,8 @@ def test_conv_ghost_norms_from_the_input_positions_gram_match_reference(
 
     monkeypatch.setattr(conv, "use_ghost", lambda *shape: True)
     monkeypatch.setattr(conv, "use_position_gram", lambda *shape: position_gram)
-    calls = []
-    monkeypatch.setattr(conv, "patch_gram", lambda *a: calls.append(1) or conv_patch_gram(*a))
+    calls, patch_gram = [], conv.patch_gram
+    monkeypatch.setattr(conv, "patch_gram", lambda *a: calls.append(1) or patch_gram(*a))
     make_conv, shape = POSITION_GRAM_CASES[case]
     torch.manual_seed(16)
     model = nn.Sequential(make_conv(), nn.Tanh(), nn.Flatten(), nn.LazyLinear(2))
@@ -284,13 +284,6 @@ def test_conv_ghost_norms_from_the_input_positions_gram_match_reference(
     model(x)  # materialise the lazy layer
     assert_matches_reference(model, x, torch.randn(shape[0], 2), kinds=("fast",))
     assert bool(calls) == position_gram
-
-
-def conv_patch_gram(*args: object) -> Tensor:
-    """The module's own patch_gram (the test wraps it to see that it ran)."""
-    from dpfy.train.grads.rules._patch_gram import patch_gram
-
-    return patch_gram(*args)
 
 
 @pytest.mark.filterwarnings("ignore:Using padding='same'")

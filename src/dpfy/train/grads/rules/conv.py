@@ -167,17 +167,27 @@ def _position_gram(layer: nn.Module, call: Call) -> Tensor | None:
     None for microbatches (a unit's positions span several examples' inputs) and where P
     would hold much more than the unfolded patches (strided layers on large inputs).
     """
-    if call.group > 1:
+    x, out = call.inputs[0], tuple(call.grads[0].shape[2:])
+    if call.group > 1 or not use_position_gram(
+        _padded_size(layer, x), out, math.prod(layer.weight.shape[1:])
+    ):
         return None
-    x = _fully_padded(layer, call.inputs[0])
-    out = tuple(call.grads[0].shape[2:])
+    x = _fully_padded(layer, x)
     kernel, stride, dilation = layer.kernel_size, layer.stride, layer.dilation
     if isinstance(layer, nn.Conv1d):  # as 2-D with a height of one
         x = x.unsqueeze(2)
         kernel, stride, dilation, out = (1, *kernel), (1, *stride), (1, *dilation), (1, *out)
-    if not use_position_gram(x.shape[2:], out, math.prod(layer.weight.shape[1:])):
-        return None
     return patch_gram(x, layer.groups, out, kernel, stride, dilation)
+
+
+def _padded_size(layer: nn.Module, x: Tensor) -> tuple[int, ...]:
+    """The input's spatial size once padded as the forward pads it, without padding it."""
+    pad = layer._reversed_padding_repeated_twice  # (before, after) per dim, last dim first
+    dims = x.shape[2:]
+    return tuple(
+        size + pad[2 * (len(dims) - 1 - i)] + pad[2 * (len(dims) - 1 - i) + 1]
+        for i, size in enumerate(dims)
+    )
 
 
 def _fully_padded(layer: nn.Module, x: Tensor) -> Tensor:
