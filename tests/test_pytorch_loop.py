@@ -157,7 +157,7 @@ def test_a_torch_dataloader_brings_its_dataset_batch_size_and_loading_options():
     loader = private.loader
     assert private.plan.expected_batch_size == 20 and private.plan.dataset_size == 100
     assert loader.sampling_record.kind.value == "poisson" and loader.sampling_rate == 0.2
-    assert loader.num_workers == 1 and loader.collate_fn.collate_fn is pad_collate
+    assert loader.num_workers == 1 and loader.collate_fn.inner.collate_fn is pad_collate
     assert loader.generator is generator  # seeds the workers; the sampler has its own
     for x, y in loader:
         step_on(private, x, y)

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from dpfy._validate import check_count
 from dpfy.data.batches import batch_length, holds_batches
+from dpfy.data.check_schedule import CheckSchedule
+from dpfy.data.collate_probe import Collated, ProbingCollate
 from dpfy.data.microbatches import MicrobatchSlots
 from dpfy.data.provenance import Provenance
 from dpfy.data.randomness import SecureSource, TorchSource
@@ -60,6 +62,7 @@ class DPDataLoader(DataLoader):
         collate_fn: Callable[[list[Any]], Any] | None = None,
         microbatch_size: int | None = None,
         worker_generator: torch.Generator | None = None,
+        behaviour_checks: CheckSchedule | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         dataset_size = dataset_size_of(dataset)
@@ -76,10 +79,13 @@ class DPDataLoader(DataLoader):
                 sampler, dataset_size, batch_size, per_epoch, generator, secure=secure, total=total
             )
         collate = collate_fn if collate_fn is not None else default_collate
+        self.check_schedule = behaviour_checks if behaviour_checks is not None else CheckSchedule()
         super().__init__(
             dataset,
             batch_sampler=batch_sampler,
-            collate_fn=EmptyBatchCollate(collate, empty_batch_like(collate, dataset)),
+            collate_fn=ProbingCollate(
+                EmptyBatchCollate(collate, empty_batch_like(collate, dataset)), self.check_schedule
+            ),
             generator=worker_generator,  # seeds worker processes only; never the sampling
             **dataloader_kwargs,
         )
@@ -151,17 +157,25 @@ class DPDataLoader(DataLoader):
             self._consumed += 1
             yield self._publish(batch)
 
-    def _publish(self, batch: Any) -> Any:
+    def _publish(self, collated: Collated) -> Any:
         """Tell the run which batch is in hand (size, clipping units, place in its epoch)."""
+        batch = collated.batch
         size = batch_length(batch)
         units = None if self.microbatches is None else self.microbatches.draw(size)
-        self._announce(size, units, "example" if units is None else "microbatch")
+        unit = "example" if units is None else "microbatch"
+        self._announce(size, units, unit, collated.verdict)
         return batch
 
-    def _announce(self, size: int, units: torch.Tensor | None, unit: str) -> None:
+    def _announce(
+        self,
+        size: int,
+        units: torch.Tensor | None,
+        unit: str,
+        collate_probe: tuple[str, str] | None = None,
+    ) -> None:
         """Publish one batch handed out, with its place in the epoch as the sampler cut it."""
         position = self.dp_sampler.epoch_position(self._consumed)
-        self.provenance.publish(size, units, position, unit)
+        self.provenance.publish(size, units, position, unit, collate_probe)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler state as of the batches stepped on (not those prefetched by workers).

@@ -37,6 +37,9 @@ class DrawnBatch:
     units: torch.Tensor | None = None
     epoch_position: int | None = None
     unit: str = "example"
+    #: Its collate probe's verdict, (status, detail) (:mod:`dpfy.data.collate_probe`; None:
+    #: not probed).
+    collate_probe: tuple[str, str] | None = None
 
 
 class BatchRefused(ValueError):
@@ -63,9 +66,10 @@ class Provenance:
         units: torch.Tensor | None = None,
         epoch_position: int | None = None,
         unit: str = "example",
+        collate_probe: tuple[str, str] | None = None,
     ) -> DrawnBatch:
         """The loader hands out a new batch: it becomes the only one a step may use."""
-        self.current = DrawnBatch(self.drawn, size, units, epoch_position, unit)
+        self.current = DrawnBatch(self.drawn, size, units, epoch_position, unit, collate_probe)
         self.drawn += 1
         return self.current
 

@@ -22,6 +22,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from dpfy._validate import check_count, check_sampling_rate
+from dpfy.data.check_schedule import CheckSchedule
+from dpfy.data.collate_probe import Collated, ProbingCollate
 from dpfy.data.loader import DPDataLoader, EmptyBatchCollate, dataset_size_of, empty_batch_like
 from dpfy.data.provenance import Provenance
 from dpfy.data.sampling import DpBatchSampler, epoch_length
@@ -177,10 +179,10 @@ class _Tagged(Dataset):
 class _TaggedCollate:
     """Collate the items as usual (empty batches too) and stack their user ids beside them."""
 
-    def __init__(self, inner: EmptyBatchCollate) -> None:
+    def __init__(self, inner: ProbingCollate) -> None:
         self.inner = inner
 
-    def __call__(self, samples: list[tuple[Any, int]]) -> tuple[Any, torch.Tensor]:
+    def __call__(self, samples: list[tuple[Any, int]]) -> tuple[Collated, torch.Tensor]:
         items = [item for item, _ in samples]
         return self.inner(items), torch.tensor([u for _, u in samples], dtype=torch.int64)
 
@@ -206,6 +208,7 @@ class UserDataLoader(DPDataLoader):
         secure: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         worker_generator: torch.Generator | None = None,
+        behaviour_checks: CheckSchedule | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         ids = check_user_ids(user_ids, dataset_size_of(dataset))
@@ -225,13 +228,14 @@ class UserDataLoader(DPDataLoader):
                 raise ValueError(f"UserDataLoader chooses {name} itself; do not pass it")
         collate = collate_fn if collate_fn is not None else default_collate
         empty = EmptyBatchCollate(collate, empty_batch_like(collate, dataset))
+        self.check_schedule = behaviour_checks if behaviour_checks is not None else CheckSchedule()
         # DPDataLoader's own __init__ builds an example-level sampler; build the DataLoader part
         # directly and set the attributes DPDataLoader's methods read.
         DataLoader.__init__(
             self,
             _Tagged(dataset, ids),
             batch_sampler=sampler,
-            collate_fn=_TaggedCollate(empty),
+            collate_fn=_TaggedCollate(ProbingCollate(empty, self.check_schedule)),
             generator=worker_generator,  # seeds worker processes only; never the sampling
             **dataloader_kwargs,
         )
@@ -248,6 +252,6 @@ class UserDataLoader(DPDataLoader):
 
     def _publish(self, batch: Any) -> Any:
         """Publish the batch with its examples' user ids as the clipping units."""
-        examples, users = batch
-        self._announce(int(users.numel()), users, "user")
-        return examples
+        collated, users = batch
+        self._announce(int(users.numel()), users, "user", collated.verdict)
+        return collated.batch

@@ -10,6 +10,7 @@ them. It checks the model first (guide §5.5.1) and returns one :class:`PrivateT
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -18,10 +19,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dpfy._validate import check_delta, check_positive
+from dpfy.data.check_schedule import CheckSchedule
 from dpfy.data.from_dataloader import unpack_dataloader
 from dpfy.data.loader import DPDataLoader, checked_loader_options
 from dpfy.plan.resolvers import PlanRequest, make_plan
 from dpfy.plan.sampling import SamplingKind
+from dpfy.train.behaviour.checks import BehaviourChecks
 from dpfy.train.checks import check_model
 from dpfy.train.distributed import (
     ProcessGroupReplicas,
@@ -75,6 +78,9 @@ def make_private(
     algorithm: str = "dp-sgd",
     restart_every: int | str | None = None,
     tree: str | None = None,
+    criterion: Callable[..., torch.Tensor] | None = None,
+    behaviour_checks: CheckSchedule | None = None,
+    public_buffers: Sequence[str] = (),
 ) -> PrivateTraining:
     """Make ``model`` + ``optimizer`` train privately on ``train_dataset`` (guide alg. 1).
 
@@ -103,10 +109,29 @@ def make_private(
     ``sampler`` "shuffle" (default) or "fixed-order" order with no sampling assumption, noise
     aggregated over a tree restarted every ``restart_every`` steps ("epoch", the default, or a
     divisor of N // B) with the ``tree`` estimator ("efficient", Honaker 2015, or "plain").
+
+    Each example's contribution must depend on that example alone, and dpfy checks it by
+    behaviour on the first batches and then on a schedule (``behaviour_checks``, a
+    :class:`~dpfy.data.check_schedule.CheckSchedule`; default: the first 2 batches, then every
+    50th): each probed batch's collate_fn is compared with a few examples collated alone, the
+    model's outputs for a few examples with the rest of the batch replaced, and — when
+    ``criterion`` (the loss, ``criterion(output, target)``) is given and the loop calls
+    ``private.criterion`` — each example's loss gradient with its gradient alone. A coupling
+    refuses the step before anything changes, naming its source. Every parameter and buffer is
+    fingerprinted after each step: a change outside the step (a ``.data`` write in the forward
+    pass, a write in the loop) refuses the next one, except in ``public_buffers`` (buffer names
+    whose values are public).
     """
     train_dataset, batch_size, options = unpack_dataloader(
         train_dataset, batch_size, checked_loader_options(loader_options)
     )
+    schedule = behaviour_checks if behaviour_checks is not None else CheckSchedule()
+    if not isinstance(schedule, CheckSchedule):
+        raise ValueError(
+            "behaviour_checks must be a dpfy.CheckSchedule (e.g. CheckSchedule(first=2, "
+            f"every=50)), got {type(schedule).__name__}"
+        )
+    options["behaviour_checks"] = schedule
     unit = "user" if user_ids is not None else "example"
     if user_ids is None and max_examples_per_user is not None:
         raise ValueError("max_examples_per_user needs user_ids (one user id per example)")
@@ -164,7 +189,16 @@ def make_private(
     grad_engine = make_engine(model, engine, batch_first=batch_first)
     noise = noise_source(secure_noise, None if seed is None else replicas.noise_seed(seed))
     boundary = BatchBoundary()
+    behaviour = None
     try:  # a refused optimizer or disagreeing ranks leave the model without hooks
+        behaviour = BehaviourChecks(
+            grad_engine,
+            schedule,
+            loader.provenance.stamp,
+            loss_reduction=plan.loss_reduction,
+            criterion=criterion,
+            public_buffers=public_buffers,
+        )
         private_optimizer = DPOptimizer(
             optimizer,
             grad_engine,
@@ -175,12 +209,15 @@ def make_private(
             noise=noise,
             boundary=boundary,
             aggregator=replicas.aggregator(),
+            behaviour=behaviour,
         )
         run_loader = with_virtual_batches(loader, max_physical_batch_size, boundary)
         replicas.check_agreement({**asdict(plan), "parameters": trainable_shapes(model)})
         replicas.broadcast_model(model)
     except Exception:
         grad_engine.detach()
+        if behaviour is not None:
+            behaviour.detach()
         raise
     return PrivateTraining(
         model, private_optimizer, run_loader, ledger, grad_engine, plan, noise, replicas

@@ -17,7 +17,10 @@ Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enfor
 - the ledger's budget guard runs before anything changes;
 - a step's batch is the one the private loader drew last, whole, used once
   (:mod:`dpfy.data.provenance`), and every parameter the wrapped optimizer would update is one
-  the engine clipped and noised: anything else is refused before anything changes.
+  the engine clipped and noised: anything else is refused before anything changes;
+- each example's contribution depends on that example alone, and nothing changed the model
+  since the last step (:mod:`dpfy.train.behaviour`): a probe that saw otherwise refuses the
+  step before anything changes.
 
 Independent noise is drawn in one place, on the training thread (on the parameters' device): on
 the last physical batch of a step the engine opens each parameter's sum from its noise just
@@ -35,6 +38,7 @@ import torch
 from dpfy.data.provenance import BatchRefused, DrawnBatch, Provenance
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingRecord
+from dpfy.train.behaviour.checks import BehaviourChecks
 from dpfy.train.distributed import GradientAggregator, LocalAggregator
 from dpfy.train.grads import ClipResult, GradEngine, NoiseStart
 from dpfy.train.ledger import PrivacyLedger
@@ -79,6 +83,7 @@ class DPOptimizer(torch.optim.Optimizer):
         noise: NoiseSource | None = None,
         boundary: BatchBoundary | None = None,
         aggregator: GradientAggregator | None = None,
+        behaviour: BehaviourChecks | None = None,
     ) -> None:
         if not isinstance(provenance, Provenance):
             raise ValueError(
@@ -114,6 +119,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.provenance = provenance
         engine.follow(provenance.stamp)
         self._private = {id(p) for p in engine.params.values()}
+        #: What the user's code does, observed (make_private always builds it): None only for
+        #: an optimizer assembled by hand, which then probes nothing.
+        self.behaviour = behaviour
 
     @property
     def noise(self) -> NoiseSource:
@@ -176,6 +184,8 @@ class DPOptimizer(torch.optim.Optimizer):
             self.ledger.record(record)
             self.provenance.consume(batch)
             self.engine.reset()
+            if self.behaviour is not None:
+                self.behaviour.accept_state()
         return loss
 
     def _take_batch(self) -> DrawnBatch:
@@ -200,6 +210,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 "with make_private"
             )
         self.mechanism.check(batch)
+        if self.behaviour is not None:  # a coupled batch or a model changed outside the step
+            self.behaviour.refuse(batch, closing=self.boundary.closes_batch)
         return batch
 
     def _check_updated_params(self) -> None:
@@ -277,8 +289,13 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.original_optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the wrapped optimizer's state."""
+        """Restore the wrapped optimizer's state (the session loads the model first).
+
+        The model's parameters and buffers as loaded become those the next step starts from.
+        """
         self.original_optimizer.load_state_dict(state_dict)
+        if self.behaviour is not None:
+            self.behaviour.accept_state()
         self.param_groups = self.original_optimizer.param_groups
         self.state = self.original_optimizer.state
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,22 @@ class PrivateTraining:
     def noise(self) -> NoiseSource:
         """The source the run's noise is drawn from (the optimizer's: one source, one state)."""
         return self.optimizer.noise
+
+    @property
+    def criterion(self) -> Callable[..., torch.Tensor]:
+        """The ``criterion`` given to make_private, probed for coupled examples: call this one.
+
+        It returns what the criterion returns; on scheduled batches it also checks that each
+        example's loss gradient is its gradient alone (:mod:`dpfy.train.behaviour.loss_probe`).
+        """
+        behaviour = self.optimizer.behaviour
+        if behaviour is None or behaviour.loss is None:
+            raise ValueError(
+                "no criterion was given to make_private: pass criterion=your_loss to "
+                "make_private to have the loss checked, then call private.criterion(output, "
+                "target)"
+            )
+        return behaviour.loss
 
     @property
     def noise_multiplier(self) -> float:
@@ -202,6 +219,8 @@ class PrivateTraining:
     def detach(self) -> nn.Module:
         """Remove dpfy's hooks; returns the model (the optimizer can no longer step)."""
         self.engine.detach()
+        if self.optimizer.behaviour is not None:
+            self.optimizer.behaviour.detach()
         return self.model
 
     def __repr__(self) -> str:

@@ -8,9 +8,10 @@ clipped sum into an accumulator, so several physical batches can form one logica
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, Protocol
 
 import torch
@@ -109,7 +110,7 @@ class GradEngine:
         self._state_dicts = [
             tensors for module in self._modules for tensors in (module._parameters, module._buffers)
         ]
-        self._weight_only = _power_iteration_buffers(model)
+        self._weight_only = power_iteration_buffers(model)
         self._taps = Taps(
             taps, on_ready=self._on_ready, on_start=self._note_grads, batch_first=batch_first
         )
@@ -127,6 +128,15 @@ class GradEngine:
     def follow(self, batches: Callable[[], int | None]) -> None:
         """Stamp every captured call with ``batches()``: the number of the loader batch in hand."""
         self._taps.stamp = batches
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Capture nothing inside the block: forward passes there are not part of any step."""
+        active, self._taps.active = self._taps.active, False
+        try:
+            yield
+        finally:
+            self._taps.active = active
 
     def batch_stamps(self) -> set[int | None]:
         """The stamps of the calls whose outputs got gradients since the last clip."""
@@ -499,7 +509,7 @@ def _got_grad(call: Call) -> bool:
     return call.compact is not None or any(grad is not None for grad in call.grads)
 
 
-def _power_iteration_buffers(model: nn.Module) -> set[int]:
+def power_iteration_buffers(model: nn.Module) -> set[int]:
     """Buffers a forward pass may update because they follow the weights, not the data.
 
     Spectral normalisation's power-iteration vectors (``u``, ``v``) are refined from the weight

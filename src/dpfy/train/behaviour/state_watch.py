@@ -1,0 +1,106 @@
+"""Nothing changes the model outside the private step: a fingerprint of every parameter and buffer.
+
+Writes through ``.data`` (``buf.data.mul_(…)``, ``buf.data = …``, ``param.data.add_(…)``) bypass
+autograd's version counters, and a training loop may write a batch statistic into a buffer
+between steps: either way the saved model then holds un-noised statistics of private batches.
+The fingerprint — each tensor's L2 norm and sum, in float32 at least — is taken after each
+private update and compared before the next one changes anything; buffers the user declares
+public, and spectral normalisation's power-iteration vectors (which follow the weights, not the
+data), are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from dpfy.data.provenance import BatchRefused
+from dpfy.train.grads.engine import power_iteration_buffers
+
+
+class StateChanged(BatchRefused):
+    """A parameter or buffer changed outside the private step; the step was not applied."""
+
+
+class StateWatch:
+    """The model's parameters and buffers as the last private step left them."""
+
+    def __init__(self, model: nn.Module, public_buffers: Iterable[str] = ()) -> None:
+        self.model = model
+        self.public = _checked_public(model, public_buffers)
+        self._exempt = power_iteration_buffers(model)
+        self._seen: dict[str, tuple[object, ...]] = {}
+        self.checks = 0
+
+    def record(self) -> None:
+        """Take the fingerprint of the state as it is now (after make_private, a step, a load)."""
+        self._seen = self._fingerprint()
+
+    def check(self) -> None:
+        """Refuse if anything watched differs from the last fingerprint; changes nothing."""
+        now = self._fingerprint()
+        self.checks += 1
+        changed = [
+            name
+            for name in sorted(set(now) | set(self._seen))
+            if now.get(name) != self._seen.get(name)
+        ]
+        if changed:
+            listed = ", ".join(f"'{name}'" for name in changed[:5])
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            raise StateChanged(
+                f"{listed}{more} changed outside the private step (a write in the forward pass, "
+                "e.g. through .data, or in the loop between steps): a statistic of private data "
+                "would reach the model without clipping or noise. Nothing was applied. Fix: keep "
+                "such statistics out of the model (compute them on public data), or pass "
+                "public_buffers=[...] to make_private for a buffer whose value is public; reload "
+                "the last checkpoint to go on"
+            )
+
+    def _fingerprint(self) -> dict[str, tuple[object, ...]]:
+        """Name → (shape, dtype, L2 norm, sum) of every watched tensor; one host read in all."""
+        named = [
+            (name, tensor)
+            for name, tensor in [
+                *self.model.named_parameters(remove_duplicate=True),
+                *self.model.named_buffers(remove_duplicate=True),
+            ]
+            if name not in self.public and id(tensor) not in self._exempt
+        ]
+        if not named:
+            return {}
+        values = torch.stack([_summary(t.detach()).cpu() for _, t in named]).tolist()
+        return {
+            name: (tuple(t.shape), t.dtype, *(x if x == x else "nan" for x in row))
+            for (name, t), row in zip(named, values, strict=True)
+        }
+
+
+def _summary(tensor: torch.Tensor) -> torch.Tensor:
+    """(L2 norm, sum) of one tensor, accumulated wide (float64 on the CPU), whatever its dtype."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    wide = torch.float64 if tensor.device.type == "cpu" else torch.float32
+    if not tensor.is_floating_point():
+        tensor = tensor.to(wide)
+    norm = torch.linalg.vector_norm(tensor, dtype=wide)
+    total = tensor.sum(dtype=wide)
+    return torch.stack([norm, total]).double()
+
+
+def _checked_public(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
+    """The declared public buffers, each one a buffer of the model."""
+    if isinstance(names, str):
+        raise ValueError("public_buffers must be a list of buffer names, not one string")
+    buffers = {name for name, _ in model.named_buffers()}
+    public = frozenset(names)
+    for name in sorted(public):
+        if name not in buffers:
+            known = ", ".join(sorted(buffers)[:8]) or "none"
+            raise ValueError(
+                f"public_buffers: the model has no buffer '{name}' (its buffers: {known}); "
+                "name buffers as model.named_buffers() does. Parameters are always private"
+            )
+    return public
