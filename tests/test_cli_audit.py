@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from dpfy.audit.scope import SCOPES
 from dpfy.cli.app import app
 
 
@@ -35,7 +37,7 @@ def test_audit_states_its_cost_then_records_epsilon_hat_beside_the_claim(trained
     audits = json.loads((trained / "audit.json").read_text())["audits"]
     assert audits[-1]["method"] == "classical" and audits[-1]["threat_model"] == "white-box"
     facts = json.loads((trained / "facts.json").read_text())
-    assert facts["audits"][-1] == audits[-1]
+    assert facts["audits"][-1] == {key: audits[-1][key] for key in facts["audits"][-1]}
     assert "Empirical audit" in (trained / "report.md").read_text()
 
 
@@ -99,7 +101,10 @@ def test_black_box_audit_states_the_extra_run_then_records_a_black_box_bound(tra
     assert code == 0, stderr
     assert stdout.startswith("re-trains the run's configuration once")
     assert "one extra training run of" in stdout and "model, accuracy and privacy ledger" in stdout
+    assert "audited: a fresh re-run of the run's configuration" in stdout
+    assert "not audited: the run's own trained model" in stdout
     audit = json.loads((trained / "audit.json").read_text())["audits"][-1]
+    assert audit["scope"] == "re-trained-run" and "final model" in audit["audited"]
     assert audit["method"] == "one-run" and audit["threat_model"] == "black-box"
     assert audit["canaries"] == 100 and audit["epsilon_lower_bound"] <= audit["claimed_epsilon"]
     index = str(len(json.loads((trained / "facts.json").read_text())["audits"]) - 1)
@@ -125,3 +130,85 @@ def test_black_box_audit_of_a_user_level_run_is_refused_naming_the_white_box_aud
     user_level = dataclasses.replace(facts, privacy=dataclasses.replace(facts.privacy, unit="user"))
     with pytest.raises(ValueError, match=r"re-trains example-level DP-SGD runs.*--method one-run"):
         plan_cost(user_level, AuditConfig("black-box"), trained)
+
+
+# --- what was audited, and the run's behaviour checks from training (issue 29, item 5) ------
+
+CHECKS = {
+    "collate": {"status": "passed", "probes": 8, "detail": "each row equals its row alone"},
+    "model": {"status": "passed", "probes": 8, "detail": "outputs unchanged"},
+    "loss": {"status": "not run", "probes": 0, "detail": "the loss was not probed"},
+    # "state" missing on purpose: a check the run did not record is a gap too
+}
+
+
+def _copy_run(trained: Path, tmp_path: Path, checks: dict | None) -> Path:
+    """A copy of the trained run (its own audits), with ``checks`` written into its facts.json."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    if checks is not None:
+        facts = json.loads((run / "facts.json").read_text())
+        facts["behaviour_checks"] = checks
+        (run / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
+    return run
+
+
+def _audit_quickly(run: Path) -> str:
+    code, stdout, stderr = dpfy(
+        "audit", str(run), "--canaries", "20", "--blocks", "10", "--seed", "0"
+    )
+    assert code == 0, stderr
+    return stdout
+
+
+def test_the_audit_names_what_it_audited_and_what_it_did_not(trained, tmp_path):
+    run = _copy_run(trained, tmp_path, None)
+    stdout = _audit_quickly(run)
+    assert "audited: the run's privacy plan" in stdout and "to a canary model" in stdout
+    assert "not audited: the run's own model, loss and data pipeline" in stdout
+    assert "batch statistics" in stdout
+    row = json.loads((run / "audit.json").read_text())["audits"][-1]
+    assert row["scope"] == "private-step"
+    assert "applied by dpfy's private step to a canary model" in row["audited"]
+    assert "the run's own model, loss and data pipeline" in row["not_audited"]
+    assert "consistent with the claim" in row["statement"] and "canary model" in row["statement"]
+    report = (run / "report.md").read_text()
+    assert "not audited: the run's own model, loss and data pipeline" in report
+    assert f"consistent with the claim for {SCOPES['private-step'].covers}" in report
+    for line in report.splitlines():  # never without its scope, whichever audit it is
+        if "consistent with the claim" in line:
+            assert any(f"the claim for {scope.covers}" in line for scope in SCOPES.values()), line
+
+
+def test_the_runs_behaviour_checks_show_up_in_the_audit_with_their_gaps(trained, tmp_path):
+    run = _copy_run(trained, tmp_path, CHECKS)
+    stdout = _audit_quickly(run)
+    assert "collate: passed (8 probes)" in stdout and "model: passed (8 probes)" in stdout
+    assert "loss: not run" in stdout and "state: not recorded" in stdout
+    assert "gaps in what was verified: loss (not run), state (not recorded)" in stdout
+    document = json.loads((run / "audit.json").read_text())
+    assert document["behaviour_checks"] == CHECKS
+    assert document["audits"][-1]["behaviour_checks"] == CHECKS
+    assert document["behaviour_check_gaps"] == ["loss", "state"]
+    report = (run / "report.md").read_text()
+    assert "collate: passed (8 probes)" in report and "gaps in what was verified" in report
+    facts = json.loads((run / "facts.json").read_text())
+    assert facts["behaviour_checks"] == CHECKS  # the audit keeps the run's own record
+
+
+def test_a_run_without_behaviour_checks_says_they_were_not_recorded(trained, tmp_path):
+    run = _copy_run(trained, tmp_path, None)
+    stdout = _audit_quickly(run)
+    assert "behaviour checks: not recorded (the run predates behaviour checks)" in stdout
+    document = json.loads((run / "audit.json").read_text())
+    assert document["behaviour_checks"] is None
+    assert "not recorded (the run predates behaviour checks)" in document["behaviour_statement"]
+    assert "not recorded (the run predates behaviour checks)" in (run / "report.md").read_text()
+
+
+def test_a_malformed_behaviour_check_is_one_error_line_naming_it(trained, tmp_path):
+    run = _copy_run(trained, tmp_path, {"loss": {"status": "fine", "probes": 1, "detail": ""}})
+    code, stdout, stderr = dpfy("audit", str(run), "--canaries", "20", "--blocks", "10")
+    assert code == 2 and stdout == ""
+    (line,) = stderr.strip().splitlines()
+    assert "behaviour_checks.loss.status" in line and "not run" in line

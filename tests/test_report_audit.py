@@ -162,3 +162,92 @@ def test_a_membership_bound_above_the_claim_does_not_claim_a_false_alarm_rate():
     one_run = build_report(run_facts(audit(epsilon_lower_bound=6.0, claimed_epsilon=2.0)))
     row = one_run.to_json()["empirical_audit"]["audits"][0]
     assert "probability at most 0.05" in row["statement"]
+
+
+# --- what each audit exercised, and the run's behaviour checks (issue 29, item 5) ------------
+
+CHECKS = {
+    "collate": {"status": "passed", "probes": 4, "detail": "rows equal alone"},
+    "model": {"status": "refused", "probes": 4, "detail": "BatchNorm-like coupling in layer 2"},
+    "loss": {"status": "passed", "probes": 4, "detail": ""},
+    "state": {"status": "not run", "probes": 0, "detail": "no steps"},
+}
+
+
+def test_a_private_step_audit_says_it_ran_the_plan_on_a_canary_model_not_the_runs_model():
+    section = build_report(run_facts(audit())).to_json()["empirical_audit"]
+    row = section["audits"][0]
+    assert row["scope"] == "private-step"
+    assert "applied by dpfy's private step to a canary model" in row["audited"]
+    assert "the run's own model, loss and data pipeline" in row["not_audited"]
+    assert "invisible to this audit" in row["not_audited"]
+    assert "consistent with the claim for the run's privacy plan" in row["statement"]
+    assert "not the run's own model, loss or data pipeline" in row["statement"]
+    md = build_report(run_facts(audit())).to_markdown()
+    assert "  - audited: the run's privacy plan" in md
+    assert "  - not audited: the run's own model" in md
+
+
+@pytest.mark.parametrize(
+    ("changes", "scope", "words"),
+    [
+        ({"threat_model": "black-box"}, "trained-model", "the model handed to the attack"),
+        ({"threat_model": "black-box", "scope": "re-trained-run"}, "re-trained-run", "re-run"),
+        ({"method": "membership-inference", "threat_model": "black-box"}, "trained-model", ""),
+    ],
+)
+def test_every_scope_is_worded_and_a_bound_without_one_takes_its_threat_models(
+    changes, scope, words
+):
+    row = build_report(run_facts(audit(**changes))).to_json()["empirical_audit"]["audits"][0]
+    assert row["scope"] == scope and words in row["audited"] and row["not_audited"]
+    assert "consistent with the claim for " in row["statement"]
+
+
+def test_the_behaviour_checks_an_audit_read_are_shown_with_every_gap():
+    section = build_report(run_facts(audit(behaviour_checks=CHECKS))).to_json()
+    data = section["empirical_audit"]
+    assert data["behaviour_checks"] == CHECKS
+    assert data["behaviour_check_gaps"] == ["model", "state"]
+    md = build_report(run_facts(audit(behaviour_checks=CHECKS))).to_markdown()
+    assert "collate: passed (4 probes)" in md
+    assert "model: refused (4 probes)" in md and "BatchNorm-like coupling" in md
+    assert "state: not run" in md
+    assert "gaps in what was verified: model (refused), state (not run)" in md
+
+
+def test_an_audit_of_a_run_without_behaviour_checks_says_not_recorded():
+    data = build_report(run_facts(audit())).to_json()["empirical_audit"]
+    assert data["behaviour_checks"] is None
+    assert "not recorded (the run predates behaviour checks)" in data["behaviour_statement"]
+    assert "not recorded (the run predates behaviour checks)" in (
+        build_report(run_facts(audit())).to_markdown()
+    )
+
+
+def test_an_audit_saved_before_scopes_existed_still_loads_and_is_worded():
+    data = json.loads(json.dumps(run_facts(audit()).to_dict()))
+    del data["audits"][0]["scope"], data["audits"][0]["behaviour_checks"]
+    loaded = RunFacts.from_dict(data)
+    assert loaded.audits[0].scope is None and loaded.audits[0].audited_scope == "private-step"
+
+
+@pytest.mark.parametrize(
+    ("checks", "refusal"),
+    [
+        ({"loss": {"status": "fine", "probes": 1, "detail": ""}}, "behaviour_checks.loss.status"),
+        ({"loss": {"status": "passed", "probes": -1, "detail": ""}}, r"checks\.loss\.probes"),
+        ({"loss": {"status": "passed", "probes": 1, "detail": 3}}, "behaviour_checks.loss.detail"),
+        ({"loss": "passed"}, "behaviour_checks.loss must be"),
+    ],
+)
+def test_saved_behaviour_checks_that_cannot_have_happened_are_refused(checks, refusal):
+    data = json.loads(json.dumps(run_facts(audit()).to_dict()))
+    data["audits"][0]["behaviour_checks"] = checks
+    with pytest.raises(ValueError, match=refusal):
+        RunFacts.from_dict(data)
+
+
+def test_an_unknown_scope_is_refused():
+    with pytest.raises(ValueError, match="scope must be one of"):
+        audit(scope="everything")

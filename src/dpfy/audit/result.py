@@ -6,8 +6,10 @@ run claims. It refuses impossible values on construction — a confidence outsid
 correct guesses than guesses, a negative or unbounded ε̂ — because a saved audit is evidence a
 person reads, and a hand-edited file must not print an audit that cannot have happened.
 
-ε̂ ≤ claimed ε is evidence that the run is correct, never proof; ε̂ > claimed ε (at a confidence
-the user chose) means the code leaks more than its accounting says: a bug.
+ε̂ ≤ claimed ε is evidence that the run is correct, never proof, and only about the code the
+audit exercised: each result names its scope (:data:`dpfy.audit.scope.SCOPES`) and carries the
+run's behaviour checks from training as the audit read them. ε̂ > claimed ε (at a confidence the
+user chose) means the code leaks more than its accounting says: a bug.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpfy._validate import check_count, check_finite, check_range
+from dpfy.audit.scope import BehaviourChecks, check_behaviour_checks, scope_of
 
 #: How ε̂ was obtained; the report words each one.
 METHODS = {
@@ -49,6 +52,10 @@ class AuditResult:
     classical route: every classified run or example, and the true positives plus negatives);
     ``canaries`` is how many canaries the audit used, ``runs`` how many training runs;
     ``claimed_epsilon`` is the ε the run claims at the same ``delta`` (None if not known).
+    ``scope`` names what the audit exercised (:data:`~dpfy.audit.scope.SCOPES`; None: the
+    threat model's usual scope, see :attr:`audited_scope`); ``behaviour_checks`` are the run's
+    behaviour checks from training as the audit read them from ``facts.json`` (None: not
+    recorded).
     """
 
     method: str
@@ -63,6 +70,8 @@ class AuditResult:
     claimed_epsilon: float | None = None
     threat_model: str = "black-box"
     notes: tuple[str, ...] = ()
+    scope: str | None = None
+    behaviour_checks: BehaviourChecks | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -71,6 +80,14 @@ class AuditResult:
     def exceeds_claim(self) -> bool:
         """True when the audit found more leakage than the run claims: a bug, not noise."""
         return self.claimed_epsilon is not None and self.epsilon_lower_bound > self.claimed_epsilon
+
+    @property
+    def audited_scope(self) -> str:
+        """The scope this audit names, or its threat model's: a white-box audit runs the private
+        step on a canary model, a black-box one attacks the model it is handed."""
+        if self.scope is not None:
+            return self.scope
+        return "private-step" if self.threat_model == "white-box" else "trained-model"
 
     def with_context(self, **changes: Any) -> AuditResult:
         """The same bound with the run's context filled in (claimed ε, runs, seconds, notes)."""
@@ -117,6 +134,10 @@ def _check(result: AuditResult) -> None:
         raise ValueError(
             f"threat_model must be one of {sorted(THREAT_MODELS)}, got {result.threat_model!r}"
         )
+    if result.scope is not None:
+        scope_of(result.scope)
+    if result.behaviour_checks is not None:
+        check_behaviour_checks(result.behaviour_checks)
     _check_number("epsilon_lower_bound", result.epsilon_lower_bound)
     if result.epsilon_lower_bound < 0:
         raise ValueError(

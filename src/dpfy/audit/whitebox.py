@@ -1,7 +1,7 @@
 """White-box audits of the private step: ε̂ from gradient canaries, classical and one-run.
 
 Python API for any run: ``audit_private_step(StepSettings.from_plan(private.plan))`` re-runs the
-run's own private step (:mod:`dpfy.audit.observe`) with Dirac canaries
+run's plan through dpfy's private step (:mod:`dpfy.audit.observe`) with Dirac canaries
 (:mod:`dpfy.audit.canaries`) and returns an :class:`~dpfy.audit.result.AuditResult`.
 
 **Classical** (Nasr et al. 2023): one session with every canary in and one with every canary
@@ -26,6 +26,11 @@ trials a side after the threshold split, e.g. 500 canaries × 250 steps.
 probability ½ (a coin flip the auditor scores, never uses); each canary's score is the
 log-likelihood ratio of its coordinate's updates over all steps under the claimed mechanism,
 and :func:`dpfy.audit.one_run.score_and_guess` turns the guesses into ε̂ for the whole run.
+
+**What it audits.** The run's privacy plan applied by dpfy's own private step to a canary model
+(``scope="private-step"``); never the run's model, loss or data pipeline, so a coupling between
+examples there (batch statistics, a loss normalised over the batch) is invisible to it — the
+run's behaviour checks from training cover those (:mod:`dpfy.audit.scope`).
 
 **Where the white-box audit is sound.** DP-SGD and user-level DP-SGD: yes, per step with
 Poisson sampling (the canary user holds one record); shuffled or fixed-size batches tie the
@@ -160,6 +165,7 @@ def classical_audit(
         seconds=time.perf_counter() - start,
         claimed_epsilon=inside.claimed_block_epsilon,
         threat_model="white-box",
+        scope="private-step",
         notes=(
             f"best statistic: {name}; each at confidence {each:.4g} (union bound)",
             f"one trial = {settings.steps_per_block} step(s); ε̂ and the claim are for one trial",
@@ -215,6 +221,7 @@ def one_run_audit(
         runs=1,
         seconds=time.perf_counter() - start,
         claimed_epsilon=session.claimed_epsilon,
+        scope="private-step",
         notes=(*result.notes, f"{blocks * settings.steps_per_block} steps, white-box updates"),
     )
 

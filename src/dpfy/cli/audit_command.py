@@ -1,9 +1,10 @@
 """``dpfy audit RUN_DIR``: measure the privacy a run's step actually has, beside the ε it claims.
 
 The command parses options, states the cost, shows a progress bar and prints ε̂ beside the
-claim; the job (:mod:`dpfy.jobs.audit`, imported when the command runs, so ``dpfy --help`` stays
-quick) re-runs the step and writes the audit into the run directory. Bad input is one line on
-stderr and exit code 2.
+claim, what each audit exercised and what it did not, and the run's behaviour checks from
+training (every gap named); the job (:mod:`dpfy.jobs.audit`, imported when the command runs,
+so ``dpfy --help`` stays quick) re-runs the step and writes the audit into the run directory.
+Bad input is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def audit(
     from rich.console import Console
     from rich.progress import Progress
 
+    from dpfy.audit.scope import behaviour_lines, scope_of
     from dpfy.jobs.audit import AuditConfig, load_run, plan_cost, record_audits, run_audit
 
     console = Console()
@@ -61,12 +63,22 @@ def audit(
     written = record_audits(run_dir, facts, outcomes)
     for result in (outcome.result for outcome in outcomes):
         claim = "unknown" if result.claimed_epsilon is None else f"{result.claimed_epsilon:.3g}"
-        verdict = "ABOVE the claim: a privacy bug" if result.exceeds_claim else "≤ the claim"
+        verdict = (
+            "ABOVE the claim: a privacy bug"
+            if result.exceeds_claim
+            else "≤ the claim, for what was audited"
+        )
+        scope = scope_of(result.audited_scope)
         console.print(
             f"{result.method}: ε̂ = {result.epsilon_lower_bound:.3g} at {result.confidence:g} "
             f"confidence, claimed ε = {claim} ({verdict}); {result.canaries} canaries, "
             f"{result.runs} run(s), {result.seconds:.1f} s"
         )
+        console.print(f"  audited: {scope.audited}", highlight=False)
+        console.print(f"  not audited: {scope.not_audited}", highlight=False)
+    console.print("the run's behaviour checks from training (its own collate, model, loss, state):")
+    for line in behaviour_lines(cost.behaviour_checks):
+        console.print(f"  {line}", highlight=False)
     console.print(
         f"audit: {written} · plots: {run_dir / 'audit'} · report: {run_dir / 'report.md'}"
     )

@@ -10,6 +10,11 @@ the plots of each audit's scores in and out (histograms and ROC) under ``RUN_DIR
 The white-box sessions spend no privacy of the run's data: they see only canaries and blanks.
 ``--method black-box`` instead re-trains the run once with input-space canaries
 (:mod:`dpfy.jobs.blackbox_audit`) and attacks only that model's final state.
+
+Neither audits the run's own model, loss or data pipeline as they ran, so every result names
+its scope (:mod:`dpfy.audit.scope`) and carries the run's behaviour checks from training, read
+from the top-level ``behaviour_checks`` of ``facts.json`` as a plain dict (absent: "not
+recorded"); the audit keeps that key in the facts it rewrites.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from dpfy.audit.observe import StepSettings, run_session
 from dpfy.audit.plots import write_audit_plots
 from dpfy.audit.result import AuditResult
+from dpfy.audit.scope import BehaviourChecks, check_behaviour_checks
 from dpfy.audit.whitebox import (
     audit_private_step,
     audit_steps,
@@ -35,7 +41,8 @@ from dpfy.audit.whitebox import (
     design_for,
 )
 from dpfy.jobs.blackbox_audit import BlackBoxRun, plan_blackbox, run_blackbox
-from dpfy.report.facts import RunFacts
+from dpfy.report.card import build_report
+from dpfy.report.facts import RunFacts, recompute_accounting
 from dpfy.report.render import FACTS_FILE, write_report
 
 #: The audit's own file in the run directory: every audit recorded so far.
@@ -44,6 +51,8 @@ AUDIT_FILE = "audit.json"
 PLOTS_DIR = "audit"
 #: What ``--method`` may name.
 AUDIT_METHODS = ("classical", "one-run", "both", "black-box")
+#: The top-level key of facts.json where training records its behaviour checks.
+CHECKS_KEY = "behaviour_checks"
 
 
 @dataclass(frozen=True)
@@ -73,13 +82,18 @@ class AuditConfig:
 
 @dataclass(frozen=True)
 class AuditCost:
-    """What the audit will cost, stated before it starts (``blackbox``: the re-training run)."""
+    """What the audit will cost, stated before it starts (``blackbox``: the re-training run).
+
+    ``behaviour_checks`` are the run's checks from training (None: not recorded), which every
+    result of the audit carries beside its scope.
+    """
 
     settings: StepSettings | None
     canaries: int
     steps: int
     seconds: float
     blackbox: BlackBoxRun | None = None
+    behaviour_checks: BehaviourChecks | None = None
 
     def lines(self) -> list[str]:
         """The cost as sentences for the terminal."""
@@ -106,25 +120,62 @@ def load_run(run_dir: Path) -> RunFacts:
                 "(--access full, the default)"
             )
         raise ValueError(f"{run_dir} holds no {FACTS_FILE}; pass a run directory of `dpfy train`")
-    return RunFacts.load(run_dir / FACTS_FILE)
+    path = run_dir / FACTS_FILE
+    data = _facts_json(path)
+    if CHECKS_KEY not in data or CHECKS_KEY in {f.name for f in dataclasses.fields(RunFacts)}:
+        return RunFacts.load(path)
+    # the checks are read on their own (behaviour_checks); the typed facts do not hold them
+    try:
+        return recompute_accounting(
+            RunFacts.from_dict({k: v for k, v in data.items() if k != CHECKS_KEY})
+        )
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def behaviour_checks(run_dir: Path) -> BehaviourChecks | None:
+    """The run's behaviour checks from training, as its facts.json holds them; None if absent.
+
+    A malformed record is one ValueError naming the file and the field.
+    """
+    path = run_dir / FACTS_FILE
+    data = _facts_json(path)
+    if data.get(CHECKS_KEY) is None:
+        return None
+    try:
+        return check_behaviour_checks(data[CHECKS_KEY], CHECKS_KEY)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def _facts_json(path: Path) -> dict:
+    """facts.json as plain JSON; {} when unreadable (RunFacts.load words that error)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def plan_cost(facts: RunFacts, config: AuditConfig, run_dir: Path | None = None) -> AuditCost:
     """The audited step's settings, the canaries that fit, and a timed estimate of the cost.
 
-    The black-box audit re-trains the run, so it needs ``run_dir`` (its ``config.json``).
+    The black-box audit re-trains the run, so it needs ``run_dir`` (its ``config.json``);
+    the run's behaviour checks are read from ``run_dir`` too (without it: not recorded).
     """
+    checks = None if run_dir is None else behaviour_checks(run_dir)
     if config.method == "black-box":
         if run_dir is None:
             raise ValueError("the black-box audit re-trains the run: pass its run directory")
         run = plan_blackbox(run_dir, facts, config.canaries, config.seed)
-        return AuditCost(None, run.canaries, run.steps, run.seconds, blackbox=run)
+        return AuditCost(None, run.canaries, run.steps, run.seconds, run, checks)
     settings = StepSettings.from_plan(facts.privacy)
     if "classical" in config.methods:
         check_independent_trials(settings)
     canaries = fitted_canaries(settings, config.canaries)
     steps = sum(audit_steps(settings, m, config.blocks) for m in config.methods)
-    return AuditCost(settings, canaries, steps, steps * _seconds_per_step(settings, canaries))
+    seconds = steps * _seconds_per_step(settings, canaries)
+    return AuditCost(settings, canaries, steps, seconds, behaviour_checks=checks)
 
 
 def fitted_canaries(settings: StepSettings, wanted: int) -> int:
@@ -162,9 +213,14 @@ class AuditOutcome:
 def run_audit(
     cost: AuditCost, config: AuditConfig, on_step: Callable[[], None] | None = None
 ) -> tuple[AuditOutcome, ...]:
-    """Every audit ``config`` asks for, on the step (or re-run) ``cost`` describes."""
+    """Every audit ``config`` asks for, on the step (or re-run) ``cost`` describes.
+
+    Each result carries the run's behaviour checks (``cost.behaviour_checks``).
+    """
     if cost.blackbox is not None:
-        return (AuditOutcome(*run_blackbox(cost.blackbox, config.confidence, on_step)),)
+        result, *scores = run_blackbox(cost.blackbox, config.confidence, on_step)
+        checked = result.with_context(behaviour_checks=cost.behaviour_checks)
+        return (AuditOutcome(checked, *scores),)
     assert cost.settings is not None
     outcomes = []
     for method in config.methods:
@@ -180,7 +236,8 @@ def run_audit(
             on_step=on_step,
             on_scores=lambda scores_in, scores_out, seen=seen: seen.extend((scores_in, scores_out)),
         )
-        outcomes.append(AuditOutcome(result, *seen))
+        checked = result.with_context(behaviour_checks=cost.behaviour_checks)
+        outcomes.append(AuditOutcome(checked, *seen))
     return tuple(outcomes)
 
 
@@ -188,21 +245,40 @@ def record_audits(run_dir: Path, facts: RunFacts, outcomes: tuple[AuditOutcome, 
     """Append the audits to the run's facts, re-render its report, plot them, write audit.json.
 
     Each audit's plots are numbered by its place among the run's audits, so a second audit
-    adds its own files beside the first's; audit.json names every audit's plots.
+    adds its own files beside the first's; audit.json names every audit's plots. Its rows are
+    the card's: each audit's figures, scope (what was audited, what was not) and verdict, and
+    the run's behaviour checks beside them. A ``behaviour_checks`` record in facts.json that
+    the typed facts do not hold is kept there.
     """
     results = tuple(outcome.result for outcome in outcomes)
     updated = dataclasses.replace(facts, audits=(*facts.audits, *results))
+    kept = _facts_json(run_dir / FACTS_FILE).get(CHECKS_KEY)
     write_report(updated, run_dir, plots=False)
+    if kept is not None:
+        _keep_checks(run_dir / FACTS_FILE, kept)
     target = run_dir / AUDIT_FILE
     plots = _previous_plots(target)
     for index, outcome in enumerate(outcomes, start=len(facts.audits) + 1):
         name = f"{index}-{outcome.result.method}"
         paths = write_audit_plots(outcome.scores_in, outcome.scores_out, run_dir / PLOTS_DIR, name)
         plots[str(index - 1)] = {kind: str(p.relative_to(run_dir)) for kind, p in paths.items()}
-    rows = [audit.to_dict() for audit in updated.audits]
-    document = {"audits": rows, "plots": plots}
+    section = build_report(updated).to_json()["empirical_audit"]
+    document = {
+        "audits": section["audits"],
+        "plots": plots,
+        **{key: section[key] for key in ("behaviour_checks", "behaviour_check_gaps")},
+        "behaviour_statement": section["behaviour_statement"],
+    }
     target.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
     return target
+
+
+def _keep_checks(path: Path, checks: object) -> None:
+    """Put the run's behaviour checks back into the facts just written, if they dropped them."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if CHECKS_KEY not in data:
+        data[CHECKS_KEY] = checks
+        path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
 def _previous_plots(audit_file: Path) -> dict[str, dict[str, str]]:
@@ -217,10 +293,12 @@ def _previous_plots(audit_file: Path) -> dict[str, dict[str, str]]:
 __all__ = [
     "AUDIT_FILE",
     "AUDIT_METHODS",
+    "CHECKS_KEY",
     "PLOTS_DIR",
     "AuditConfig",
     "AuditCost",
     "AuditOutcome",
+    "behaviour_checks",
     "fitted_canaries",
     "load_run",
     "plan_cost",

@@ -5,8 +5,10 @@ the job re-trains the run's own configuration — its dataset, model, optimizer,
 batch size, clipping norm, and the σ and number of steps its plan records — with input-space
 canaries each included by a coin flip, through the same make_private and the same loss as
 ``dpfy train``. Only that re-trained model is attacked; the run's own model, report and ledger
-are untouched (the audit's ε̂ is appended to its facts like any other audit). The cost — one
-extra training run — is timed on a few steps and stated before it starts.
+are untouched (the audit's ε̂ is appended to its facts like any other audit, its scope
+``"re-trained-run"``: a re-run of the configuration, not the run's own trained model, and only
+what its final model reveals). The cost — one extra training run — is timed on a few steps and
+stated before it starts.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def run_blackbox(
     )
     result = result.with_context(
         seconds=time.perf_counter() - start,
+        scope="re-trained-run",
         notes=(
             *result.notes,
             f"{private.ledger.steps} steps of the run's configuration on {len(trainset)} "

@@ -4,15 +4,25 @@ An ε is a proof about the mechanism as written; an audit is evidence about the 
 The section states each audit's lower bound ε̂, its confidence, method and cost beside the
 claimed ε, and says what the comparison means: ε̂ ≤ ε is consistent with the claim but proves
 nothing (a weak attack finds little even against a broken run), while ε̂ > ε at confidence c
-happens to a correct run with probability at most 1 − c — it means a bug.
+happens to a correct run with probability at most 1 − c — it means a bug. Each audit says what
+it exercised and what it did not (:data:`dpfy.audit.scope.SCOPES`), and "consistent with the
+claim" is never said without that scope; beside them stand the run's behaviour checks from
+training, every check that did not pass named as a gap in what was verified.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dpfy.audit.result import METHODS, THREAT_MODELS, AuditResult
+from dpfy.audit.scope import (
+    BehaviourChecks,
+    behaviour_gaps,
+    behaviour_lines,
+    behaviour_statement,
+    scope_of,
+)
 from dpfy.report.pitfalls import Finding, Severity, detector
 from dpfy.report.sections import section, show_epsilon, show_value
 
@@ -59,7 +69,7 @@ def verdict(audit: AuditResult, claim: float | None) -> str:
         )
     return (
         f"ε̂ = {eps_hat} ≤ claimed ε = {show_epsilon(claim)} at {conf} confidence: consistent "
-        "with the claim."
+        f"with the claim for {scope_of(audit.audited_scope).covers}."
     )
 
 
@@ -78,8 +88,12 @@ def false_alarm_rate(audit: AuditResult) -> str:
 def _audit_row(audit: AuditResult, facts: RunFacts) -> dict[str, Any]:
     """One audit as JSON: its figures, its claim and the sentence comparing them."""
     claim = claimed_epsilon(audit, facts)
+    scope = scope_of(audit.audited_scope)
     return {
         **audit.to_dict(),
+        "scope": audit.audited_scope,
+        "audited": scope.audited,
+        "not_audited": scope.not_audited,
         "claimed_epsilon": claim,
         "method_description": METHODS[audit.method],
         "threat_model_description": THREAT_MODELS[audit.threat_model],
@@ -89,9 +103,15 @@ def _audit_row(audit: AuditResult, facts: RunFacts) -> dict[str, Any]:
 
 
 def _render_audits(data: dict[str, Any]) -> list[str]:
-    """A table of ε̂ beside claimed ε, then each audit's verdict and notes, then the caveat."""
+    """A table of ε̂ beside claimed ε, each audit's verdict, scope and notes, the run's behaviour
+    checks, then the caveat."""
+    checks = [
+        "**The run's behaviour checks from training** (its own collate, model, loss and state):",
+        "",
+        *(f"- {line}" for line in data.get("behaviour_check_lines", ())),
+    ]
     if not data["audits"]:
-        return [data["statement"]]
+        return [data["statement"], *(["", *checks] if "behaviour_checks" in data else [])]
     lines = [
         "| method | access | ε̂ (lower bound) | claimed ε | δ | confidence | canaries | runs "
         "| seconds |",
@@ -110,8 +130,9 @@ def _render_audits(data: dict[str, Any]) -> list[str]:
     lines.append("")
     for row in data["audits"]:
         lines.append(f"- **{row['method']}** ({row['method_description']}): {row['statement']}")
+        lines += [f"  - audited: {row['audited']}", f"  - not audited: {row['not_audited']}"]
         lines += [f"  - {note}" for note in row["notes"]]
-    return [*lines, "", data["statement"]]
+    return [*lines, "", *checks, "", data["statement"]]
 
 
 @section("empirical_audit", "Empirical audit", _render_audits)
@@ -120,8 +141,16 @@ def empirical_audit(
 ) -> dict[str, Any]:
     """Every recorded audit's ε̂ beside the claimed ε, and what the comparison means."""
     rows = [_audit_row(audit, facts) for audit in facts.audits]
+    checks = run_behaviour_checks(facts)
+    behaviour = {
+        "behaviour_checks": checks,
+        "behaviour_check_gaps": [name for name, _ in behaviour_gaps(checks)],
+        "behaviour_check_lines": behaviour_lines(checks),
+        "behaviour_statement": behaviour_statement(checks),
+    }
     if not rows:
-        return {"audits": [], "any_exceeds_claim": False, "statement": NONE_RECORDED}
+        none = {"audits": [], "any_exceeds_claim": False, "statement": NONE_RECORDED}
+        return none if checks is None else {**none, **behaviour}
     exceeded = any(row["exceeds_claim"] for row in rows)
     statement = EVIDENCE_NOT_PROOF
     if exceeded:
@@ -129,7 +158,16 @@ def empirical_audit(
             "At least one audit found more leakage than the run claims: the claimed ε is not "
             "supported by the code that ran. " + EVIDENCE_NOT_PROOF
         )
-    return {"audits": rows, "any_exceeds_claim": exceeded, "statement": statement}
+    return {"audits": rows, "any_exceeds_claim": exceeded, "statement": statement, **behaviour}
+
+
+def run_behaviour_checks(facts: RunFacts) -> BehaviourChecks | None:
+    """The run's behaviour checks from training: the facts' own record where they carry one,
+    else what the latest audit read from ``facts.json``; None when neither holds any."""
+    recorded = getattr(facts, "behaviour_checks", None)  # a facts field, once the run has one
+    if isinstance(recorded, Mapping):
+        return dict(recorded)
+    return facts.audits[-1].behaviour_checks if facts.audits else None
 
 
 @detector("audit-exceeds-claim")
@@ -163,5 +201,6 @@ __all__ = [
     "SECTIONS",
     "audit_exceeds_claim",
     "claimed_epsilon",
+    "run_behaviour_checks",
     "verdict",
 ]
