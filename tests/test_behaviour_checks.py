@@ -270,7 +270,9 @@ def default_collate_pairs(samples):
 def test_random_augmentation_and_random_collate_raise_no_false_alarm() -> None:
     private = _private(_mlp(), DataLoader(_Augmented(), batch_size=32))
     _one_step(private, _ce)
-    private = _private(_mlp(), DataLoader(_data(), batch_size=32, collate_fn=_random_masking_collate))
+    private = _private(
+        _mlp(), DataLoader(_data(), batch_size=32, collate_fn=_random_masking_collate)
+    )
     _one_step(private, _ce)
     summary = private.optimizer.behaviour.summary()["collate"]
     assert summary["status"] == "not run" and "random" in summary["detail"]
@@ -285,9 +287,7 @@ def test_the_schedule_probes_the_first_steps_then_every_nth() -> None:
 
 
 def test_checks_turned_off_are_stated_and_a_coupled_model_then_passes_unseen() -> None:
-    private = _private(
-        _mlp(Centre()), _data(), behaviour_checks=CheckSchedule(first=0, every=None)
-    )
+    private = _private(_mlp(Centre()), _data(), behaviour_checks=CheckSchedule(first=0, every=None))
     _one_step(private, _ce)  # nothing checked: the card must say so
     summary = private.optimizer.behaviour.summary()
     assert {v["status"] for k, v in summary.items() if k != "state"} == {"not run"}
@@ -341,3 +341,82 @@ def test_a_buffer_declared_public_may_change() -> None:
 def test_an_unknown_public_buffer_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="no buffer 'nope'"):
         _private(_mlp(), _data(), public_buffers=["nope"])
+
+
+# -- what the probes must not mistake for coupling, and what they state they did not see --------
+class MeanLossBeside(nn.Module):
+    """Returns per-example logits beside the batch's mean loss (as Hugging Face heads do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.body(x)
+        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
+
+def test_a_batch_mean_loss_beside_per_example_outputs_is_not_a_coupling() -> None:
+    private = _private(MeanLossBeside(), _data())
+    for x, y in private.loader:
+        private.optimizer.zero_grad()
+        private.model(x, y)["loss"].backward()
+        private.optimizer.step()
+        if len(x) > 1:
+            break
+    assert private.optimizer.behaviour.summary()["model"]["status"] == "passed"
+
+
+def _pad(samples, left: bool):
+    width = max(len(s[0]) for s in samples)
+    rows = []
+    for tokens, _ in samples:
+        pad = torch.zeros(width - len(tokens), dtype=tokens.dtype)
+        rows.append(torch.cat([pad, tokens] if left else [tokens, pad]))
+    return torch.stack(rows), torch.stack([s[1] for s in samples])
+
+
+class _Ragged(Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return torch.arange(1, 2 + i % 5), torch.tensor(i % K)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+def test_a_padding_collate_is_not_a_coupling(left) -> None:
+    loader = DataLoader(_Ragged(), batch_size=32, collate_fn=lambda s: _pad(s, left))
+    private = _private(_mlp(), loader, behaviour_checks=CheckSchedule(first=1, every=None))
+    batch = next(iter(private.loader))
+    assert len(batch[0]) > 1 and batch[0].shape[1] > 1
+    assert private.loader.provenance.current.collate_probe == ("passed", "")
+
+
+def test_a_loss_computed_around_private_criterion_is_stated_as_unchecked() -> None:
+    private = _private(_mlp(), _data(), criterion=nn.CrossEntropyLoss())
+    _one_step(private, _ce)  # the loop ignores private.criterion
+    detail = private.optimizer.behaviour.summary()["loss"]["detail"]
+    assert "private.criterion was not called" in detail
+
+
+def test_a_coupled_model_is_refused_with_virtual_batches_and_per_user() -> None:
+    private = _private(_mlp(Centre()), _data(), max_physical_batch_size=8)
+    with pytest.raises(ExamplesCoupled, match="'1' \\(Centre\\)"):
+        for x, y in private.loader:
+            private.optimizer.zero_grad()
+            _ce(private.model(x), y).backward()
+            private.optimizer.step()
+    users = torch.arange(N) % 16
+    torch.manual_seed(0)
+    model = _mlp(Centre())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    private = dpfy.make_private(
+        model, optimizer, _data(), batch_size=8, steps=3, noise_multiplier=1.0, delta=1e-5,
+        max_grad_norm=1.0, user_ids=users,
+    )  # fmt: skip
+    with pytest.raises(ExamplesCoupled, match="the model"):
+        for x, y in private.loader:
+            private.optimizer.zero_grad()
+            _ce(private.model(x), y).backward()
+            private.optimizer.step()

@@ -56,13 +56,27 @@ def take_rows(tree: Any, size: int, index: torch.Tensor, dim: int = 0) -> Any:
     return map_rows(tree, size, pick, dim)
 
 
+def batch_rows(tree: Any, size: int, index: torch.Tensor, dim: int = 0) -> list[torch.Tensor]:
+    """The rows ``index`` of every tensor leaf holding ``size`` rows; other leaves are dropped.
+
+    What is compared when only per-example values matter (a model's batch-mean loss is not).
+    """
+    return [
+        leaf.index_select(dim, index.to(leaf.device))
+        for _, leaf in leaves(tree)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == size
+    ]
+
+
 def leaves(tree: Any) -> Iterator[tuple[str, Any]]:
     """Every leaf with its path (``[0]``, ``['input_ids']``…), in a fixed order."""
     if isinstance(tree, Mapping):
         for key, value in tree.items():
             for path, leaf in leaves(value):
                 yield f"[{key!r}]{path}", leaf
-    elif isinstance(tree, (list, tuple)) and not (isinstance(tree, list) and not holds_batches(tree)):
+    elif isinstance(tree, (list, tuple)) and not (
+        isinstance(tree, list) and not holds_batches(tree)
+    ):
         for i, value in enumerate(tree):
             for path, leaf in leaves(value):
                 yield f"[{i}]{path}", leaf
@@ -74,7 +88,8 @@ def first_difference(expected: Any, seen: Any, *, crop: bool = False) -> str | N
     """Where ``seen`` differs from ``expected`` beyond float noise (None: nowhere).
 
     With ``crop`` a tensor of ``expected`` may be larger than its counterpart in every dimension
-    (a padding collate pads a batch to its longest example): only the overlap is compared.
+    (a padding collate pads a batch to its longest example): only the overlap is compared,
+    aligned at the start (right padding) or, failing that, at the end (left padding).
     """
     pairs_a, pairs_b = list(leaves(expected)), list(leaves(seen))
     if [p for p, _ in pairs_a] != [p for p, _ in pairs_b]:
@@ -90,8 +105,12 @@ def _leaf_difference(a: Any, b: Any, crop: bool) -> str | None:
     """How two leaves differ, or None."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return None if _plain_equal(a, b) else "differs"
-    if crop and a.dim() == b.dim() and all(x >= y for x, y in zip(a.shape, b.shape, strict=True)):
-        a = a[tuple(slice(0, n) for n in b.shape)]
+    if crop and a.shape != b.shape and _covers(a, b):
+        start = _leaf_difference(a[tuple(slice(0, n) for n in b.shape)], b, False)
+        if start is None:
+            return None
+        end = a[tuple(slice(x - y, x) for x, y in zip(a.shape, b.shape, strict=True))]
+        return None if _leaf_difference(end, b, False) is None else start
     if a.shape != b.shape:
         return f"has shape {tuple(b.shape)} instead of {tuple(a.shape)}"
     if not (a.is_floating_point() or a.is_complex()):
@@ -106,6 +125,11 @@ def _leaf_difference(a: Any, b: Any, crop: bool) -> str | None:
         return None
     worst = float(torch.where(finite, (a - b).abs(), torch.inf).max())
     return f"moved by {worst:.3g} (scale {scale:.3g})"
+
+
+def _covers(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is at least as large as ``b`` in every one of the same dimensions."""
+    return a.dim() == b.dim() and all(x >= y for x, y in zip(a.shape, b.shape, strict=True))
 
 
 def _plain_equal(a: Any, b: Any) -> bool:

@@ -70,6 +70,7 @@ class BehaviourChecks:
         self._tally_collate(batch)
         if closing:
             self._check_state()
+            self._note_loss_unseen(batch)
         problem = self._found.pop(batch.number, None)
         if problem is None and batch.collate_probe is not None:
             status, detail = batch.collate_probe
@@ -78,6 +79,15 @@ class BehaviourChecks:
             raise ExamplesCoupled(
                 f"examples are coupled — {problem}. The step was refused before anything "
                 "changed: each example's contribution must depend on that example alone"
+            )
+
+    def _note_loss_unseen(self, batch: DrawnBatch) -> None:
+        """A scheduled batch whose loss did not go through private.criterion: stated."""
+        loss = self.loss
+        if loss is not None and self.schedule.due(batch.number) and loss.last_batch != batch.number:
+            loss.tally.skip(
+                "private.criterion was not called on a probed batch: the loop computed its "
+                "loss another way, which was not checked"
             )
 
     def _check_state(self) -> None:

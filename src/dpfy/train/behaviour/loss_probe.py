@@ -48,12 +48,15 @@ class CheckedCriterion:
         self.report = report
         self.loss_reduction = loss_reduction
         self.tally = CheckTally("loss")
+        self.last_batch: int | None = None  # the batch it was last called on
         if schedule.off:
             self.tally.skip("the independence checks were turned off")
 
     def __call__(self, output: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The criterion's loss; on a scheduled batch, probe it first (nothing is changed)."""
         number = self.batch_number()
+        if torch.is_grad_enabled():
+            self.last_batch = number
         if number is not None and torch.is_grad_enabled() and self.schedule.due(number):
             problem = self._probe(output, args, kwargs)
             if problem is not None:
@@ -112,7 +115,9 @@ class CheckedCriterion:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not tensors:
             return None
         grads = torch.autograd.grad(loss.sum(), tensors, allow_unused=True)
-        return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)]
+        return [
+            torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)
+        ]
 
     def _message(self, row: int, problem: str) -> str:
         """The refusal: what the loss did and how to make it per-example."""

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from dpfy.data.check_schedule import CheckSchedule
 from dpfy.data.coupling import CheckTally
-from dpfy.data.row_compare import first_difference, leaves, take_rows
+from dpfy.data.row_compare import batch_rows, first_difference, leaves, take_rows
 from dpfy.train.behaviour.rng_replay import RandomState
 from dpfy.train.grads.engine import GradEngine
 
@@ -101,6 +102,9 @@ class ModelProbe:
         self, start: _Start, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> str | None:
         """The coupling this batch shows, or None (tallied as passed or skipped)."""
+        if _holds_packed((args, kwargs)):
+            self.tally.skip("packed sequences have no batch dimension whose rows can be replaced")
+            return None
         size = _batch_size((args, kwargs), self.dim)
         if size is None or size < 2:
             self.tally.skip("batches of fewer than two examples have nothing to couple")
@@ -110,8 +114,8 @@ class ModelProbe:
         index[rows] = rows
         filled = take_rows((args, kwargs), size, index, self.dim)
         seen = self._rerun(filled, start)
-        problem = first_difference(
-            take_rows(output, size, rows, self.dim), take_rows(seen, size, rows, self.dim)
+        problem = first_difference(  # per-example outputs only: a batch-mean loss is not one
+            batch_rows(output, size, rows, self.dim), batch_rows(seen, size, rows, self.dim)
         )
         if problem is None:
             self.tally.passed()
@@ -222,6 +226,17 @@ def _batch_size(inputs: Any, dim: int) -> int | None:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > dim:
             return int(leaf.shape[dim])
     return None
+
+
+def _holds_packed(tree: Any) -> bool:
+    """Whether ``tree`` holds a PackedSequence (its rows are time steps of many examples)."""
+    if isinstance(tree, PackedSequence):
+        return True
+    if isinstance(tree, dict):
+        return any(_holds_packed(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_holds_packed(v) for v in tree)
+    return False
 
 
 def _copied(tree: Any) -> Any:
