@@ -69,13 +69,19 @@ class StateWatch:
             ]
             if name not in self.public and id(tensor) not in self._exempt
         ]
-        if not named:
-            return {}
-        values = torch.stack([_summary(t.detach()).cpu() for _, t in named]).tolist()
-        return {
-            name: (tuple(t.shape), t.dtype, *(x if x == x else "nan" for x in row))
-            for (name, t), row in zip(named, values, strict=True)
-        }
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in named:
+            by_device.setdefault(tensor.device, []).append((name, tensor))
+        found: dict[str, tuple[object, ...]] = {}
+        for group in by_device.values():  # one device-to-host copy per device
+            values = torch.stack([_summary(t.detach()) for _, t in group]).cpu().tolist()
+            for (name, tensor), row in zip(group, values, strict=True):
+                found[name] = (
+                    tuple(tensor.shape),
+                    tensor.dtype,
+                    *(x if x == x else "nan" for x in row),
+                )
+        return found
 
 
 def _summary(tensor: torch.Tensor) -> torch.Tensor:
