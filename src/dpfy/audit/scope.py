@@ -5,7 +5,7 @@ plan through dpfy's private step on a canary model, so a coupling between exampl
 own model, loss or data pipeline (a hand-written batch norm, a loss normalised over the batch)
 never reaches them; an audit that stays below the claim says nothing about those. Every audit
 therefore names its *scope* (:data:`SCOPES`), and beside it the run's *behaviour checks* from
-training (DESIGN rules 16–17: collate, model and loss probed on examples alone, state unchanged
+training (collate, model and loss probed on examples alone, state unchanged
 outside the private step), read from the run's ``facts.json`` as a plain dict. A check that did
 not run, or that the run did not record, is a gap in what was verified and is named as one.
 """
@@ -58,7 +58,7 @@ SCOPES = {
     ),
 }
 
-#: What each behaviour check of training verifies (DESIGN rules 16 and 17).
+#: What each behaviour check of training verifies.
 BEHAVIOUR_CHECKS = {
     "collate": "each example's collated row equals it collated alone",
     "model": "each example's output is unchanged when the rest of the batch is replaced",
