@@ -152,14 +152,31 @@ def gpu_weights(private: dpfy.PrivateTraining) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in private.model.parameters()]).cpu()
 
 
+class NoNoise:
+    """Adds nothing (on the tensor's own device)."""
+
+    def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
+        return torch.zeros_like(like)
+
+
 def test_a_gpu_run_killed_and_resumed_continues_the_same_run(tmp_path):
     whole = seeded_gpu_run(64)
-    train_on_gpu(whole)
-    first = seeded_gpu_run(64)
-    train_on_gpu(first, stop_after=3)
-    path = first.save(tmp_path / "checkpoint.pt")
+    train_on_gpu(whole, stop_after=3)
+    path = whole.save(tmp_path / "checkpoint.pt")
     resumed = seeded_gpu_run(64)
     resumed.load(path)
+    probe = seeded_gpu_run(64)
+    probe.load(path)
+    train_on_gpu(probe, stop_after=1)
+    train_on_gpu(resumed, stop_after=1)
+    # Every resume draws fresh noise, on the GPU's generator too (a replayed stream would let two
+    # continuations cancel it): two continuations of one checkpoint step apart.
+    assert not torch.equal(gpu_weights(resumed), gpu_weights(probe))
+    # Everything else continues exactly: silenced from the checkpoint on, both runs end alike.
+    resumed = seeded_gpu_run(64)
+    resumed.load(path)
+    whole.optimizer.noise = resumed.optimizer.noise = NoNoise()
+    train_on_gpu(whole)
     train_on_gpu(resumed)
     assert resumed.ledger.steps == whole.ledger.steps == 8
     assert resumed.epsilon() == pytest.approx(whole.epsilon(), rel=1e-12)

@@ -100,6 +100,9 @@ class NoNoise:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to restore: the zeros have no stream."""
 
+    def reseed(self, step: int) -> None:
+        """Nothing to start afresh at a resume: the zeros have no stream."""
+
 
 def step(private: dpfy.PrivateTraining, x: torch.Tensor, y: torch.Tensor) -> None:
     private.optimizer.zero_grad()
@@ -336,6 +339,7 @@ def test_checkpoint_written_once_by_rank_0_resumes_every_rank(ranks):
         assert result["resumed_sampler_rank"] == rank  # each rank got its own sampler state
     state = torch.load(ranks[0]["dir"] / "checkpoint.pt", weights_only=True)
     assert state["loader"]["world_size"] == WORLD
+    assert "noise" not in state  # every rank draws fresh noise when it resumes
     with pytest.raises(ValueError, match="distributed run of 2 ranks"):
         private_run("fast").load(ranks[0]["dir"] / "checkpoint.pt")  # one process: refused
 

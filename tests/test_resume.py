@@ -1,5 +1,6 @@
 """`dpfy train --resume RUN_DIR` and Ctrl-C: an interrupted run leaves a checkpoint and a report of
-what it spent, and the resumed run ends where the uninterrupted one would have."""
+what it spent, and the resumed run spends what the uninterrupted one would have (with noise of its
+own: a resume never replays the noise the interrupted run drew)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def ctrl_c_at(monkeypatch):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """The same seeded run, never interrupted: what a resumed run must end as."""
+    """The same seeded run, never interrupted: what a resumed run must spend in all."""
     out = tmp_path_factory.mktemp("whole") / "run"
     code, _, stderr = dpfy(*QUICK, "--seed", "7", "--out", str(out))
     assert code == 3, stderr  # a seeded run is flagged: the noise is replayable
@@ -86,7 +87,7 @@ def test_ctrl_c_leaves_a_checkpoint_and_a_report_of_what_was_spent_and_exits_130
     assert code == 130, stderr
     assert f"dpfy train --resume {out}" in stderr and "Traceback" not in stderr
     assert (out / CHECKPOINT_FILE).is_file()
-    assert stat.S_IMODE((out / CHECKPOINT_FILE).stat().st_mode) == 0o600  # holds the noise RNG
+    assert stat.S_IMODE((out / CHECKPOINT_FILE).stat().st_mode) == 0o600  # holds the sampler RNG
     status = json.loads((out / STATUS_FILE).read_text())
     assert status["status"] == "interrupted" and status["steps_taken"] == 5
     report = (out / "report.md").read_text()
@@ -96,7 +97,7 @@ def test_ctrl_c_leaves_a_checkpoint_and_a_report_of_what_was_spent_and_exits_130
     assert not (out / "model.pt").exists()
 
 
-def test_the_resumed_run_ends_as_the_uninterrupted_one(tmp_path, ctrl_c_at, uninterrupted):
+def test_the_resumed_run_spends_as_the_uninterrupted_one(tmp_path, ctrl_c_at, uninterrupted):
     out = tmp_path / "run"
     ctrl_c_at(5)
     assert dpfy(*QUICK, "--seed", "7", "--out", str(out))[0] == 130
@@ -108,7 +109,10 @@ def test_the_resumed_run_ends_as_the_uninterrupted_one(tmp_path, ctrl_c_at, unin
     assert resumed["accounting"]["summary"]["steps"] == STEPS == whole["training"]["steps_taken"]
     assert spent(out) == spent(uninterrupted)  # the ledger went on, not over again
     assert result["resumed_at"] == 5 and result["steps"] == STEPS
-    assert resumed["results"]["accuracy"] == whole["results"]["accuracy"]
+    # Not the same accuracy: every resume draws fresh noise, even a seeded one (a replayed stream
+    # would let two continuations of one checkpoint cancel it in their difference), so steps 6-12
+    # differ from the uninterrupted run's; what they spent is the same.
+    assert resumed["results"]["accuracy"] is not None
     assert not (out / CHECKPOINT_FILE).exists()  # its random state does not outlive the run
     assert json.loads((out / STATUS_FILE).read_text())["status"] == "finished"
     assert not (out / "report.md").read_text().startswith("> **Interrupted**")
@@ -125,7 +129,8 @@ def test_an_interrupt_inside_a_step_resumes_from_the_last_periodic_checkpoint(
     code, stdout, _ = dpfy("train", "--resume", str(out), "--json")
     assert json.loads(stdout)["resumed_at"] == 5
     assert spent(out) == spent(uninterrupted)
-    assert facts(out)["results"]["accuracy"] == facts(uninterrupted)["results"]["accuracy"]
+    # The accuracy is not the uninterrupted run's: the resume drew fresh noise for steps 6-12.
+    assert facts(out)["results"]["accuracy"] is not None
 
 
 def test_an_unseeded_resumed_run_takes_exactly_the_planned_steps(tmp_path, ctrl_c_at):

@@ -1,11 +1,18 @@
 """A training job's checkpoint and status: what ``dpfy train --resume RUN_DIR`` continues from.
 
 The run directory holds two files for this. ``checkpoint.pt`` is the private session's own sealed
-checkpoint (model, optimizer, ledger, sampler and noise state, :meth:`PrivateTraining.state_dict`)
-plus what the job itself carries over (its history, the gradient norms its report summarises and
-the seconds trained so far). It holds the noise and sampling random state, from which the rest of
-the run's noise could be replayed, so it is written owner-only and deleted once the run finishes.
-``status.json`` says whether the run is running (and in which process), interrupted or finished.
+checkpoint (model, optimizer, ledger and sampler state, :meth:`PrivateTraining.state_dict`) plus
+what the job itself carries over (its history, the gradient norms its report summarises and the
+seconds trained so far). It holds the sampling random state, from which the batches drawn could
+be reconstructed, so it is written owner-only and deleted once the run finishes. ``status.json``
+says whether the run is running (and in which process), interrupted or finished.
+
+A checkpoint is resumed once. Every resume draws fresh noise, so two continuations of one
+checkpoint are two releases of the steps after it, and each would report only its own spend. So
+the first resume records the checkpoint as consumed — a file in ``.dpfy-resumed/`` named by the
+digest its seal computed, created exclusively before training continues — and a second resume
+of the same content is refused, however the file got back. The continuation's own checkpoints
+have other contents and resume in turn.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +35,7 @@ from dpfy.train.session import PrivateTraining
 
 CHECKPOINT_FILE = "checkpoint.pt"
 STATUS_FILE = "status.json"
+RESUMED_DIR = ".dpfy-resumed"  # one file per checkpoint resumed, named by its content digest
 _LOCK_FILE = ".dpfy-resume-lock"
 _FORMAT = "dpfy.train-job-checkpoint"
 
@@ -62,10 +71,27 @@ def save_checkpoint(private: PrivateTraining, run_dir: Path, job: JobState) -> P
 
 
 def load_checkpoint(private: PrivateTraining, run_dir: Path) -> JobState:
-    """Restore the session from ``checkpoint.pt`` (all or nothing) and return the job's state."""
+    """Restore the session from ``checkpoint.pt`` (all or nothing), record the checkpoint as
+    resumed, and return the job's state.
+
+    The record is made once the session has loaded and before any step, exclusively: of two
+    continuations of one checkpoint only one trains. Collective under torchrun (rank 0 records).
+    """
     path = run_dir / CHECKPOINT_FILE
+    state = _read(path, run_dir)
+    digest = _digest(state, path)
+    private.load_state_dict(state["session"])
+    private.replicas.on_writer(lambda: _record_resume(run_dir, digest, private.ledger.steps))
+    norms = NormLog()
+    if len(state["norms"]):
+        norms.add(state["norms"])
+    return JobState(list(state["history"]), norms, float(state["seconds"]))
+
+
+def _read(path: Path, run_dir: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """The job checkpoint at ``path``, or the one message for why it cannot be resumed."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise ValueError(no_checkpoint(run_dir)) from None
     except Exception as err:
@@ -75,11 +101,76 @@ def load_checkpoint(private: PrivateTraining, run_dir: Path) -> JobState:
         ) from None
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise ValueError(f"{path} is not a `dpfy train` checkpoint; it cannot be resumed")
-    private.load_state_dict(state["session"])
-    norms = NormLog()
-    if len(state["norms"]):
-        norms.add(state["norms"])
-    return JobState(list(state["history"]), norms, float(state["seconds"]))
+    return state
+
+
+def _digest(state: dict[str, Any], path: Path) -> str:
+    """The content digest the session's seal computed: what a resume record is keyed by."""
+    session = state.get("session")
+    digest = session.get("digest") if isinstance(session, dict) else None
+    if not isinstance(digest, str) or not digest.isalnum():
+        raise ValueError(f"{path} has no intact seal (no content digest); it cannot be resumed")
+    return digest
+
+
+def _resumed(run_dir: Path, digest: str) -> Path:
+    """Where the record that the checkpoint with ``digest`` was resumed lives."""
+    return run_dir / RESUMED_DIR / f"{digest}.json"
+
+
+def _already_resumed(run_dir: Path, record: Path) -> str:
+    """The one message refusing a second continuation of a checkpoint."""
+    try:
+        earlier = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        earlier = {}
+    earlier = earlier if isinstance(earlier, dict) else {}
+    when = (
+        f" (at step {earlier.get('step')}, {earlier.get('time')}, by process "
+        f"{earlier.get('pid')} on {earlier.get('host')})"
+        if "step" in earlier
+        else ""
+    )
+    return (
+        f"{run_dir / CHECKPOINT_FILE} was already resumed once{when}; nothing was changed. A "
+        "resume draws fresh noise, so continuing the same checkpoint again would be a second "
+        "release of the same steps, and each continuation's ledger and report would count only "
+        "its own spend. Start a new run, or resume the latest checkpoint that continuation "
+        f"wrote (it replaces {CHECKPOINT_FILE} at each evaluation; this one is not among them: "
+        "the continuation stopped before its first checkpoint, or this file was put back)"
+    )
+
+
+def _record_resume(run_dir: Path, digest: str, step: int) -> None:
+    """Record, exclusively, that the checkpoint with ``digest`` is being resumed."""
+    record = _resumed(run_dir, digest)
+    try:
+        record.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ValueError(_already_resumed(run_dir, record)) from None
+    except OSError as err:
+        raise ValueError(
+            f"cannot record the resume in {record.parent} ({err.strerror or err}); resume needs it"
+        ) from None
+    document = {
+        "checkpoint_digest": digest,
+        "step": step,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(document, indent=2) + "\n")
+
+
+def checkpoint_consumed(run_dir: Path) -> bool:
+    """Whether ``run_dir``'s checkpoint was already resumed once (False without a readable one)."""
+    path = run_dir / CHECKPOINT_FILE
+    try:
+        return _resumed(run_dir, _digest(_read(path, run_dir, mmap=True), path)).exists()
+    except ValueError:
+        return False
 
 
 def remove_checkpoint(run_dir: Path) -> None:
@@ -97,8 +188,11 @@ def no_checkpoint(run_dir: Path) -> str:
     )
 
 
-def write_status(run_dir: Path, status: str, steps_taken: int, planned_steps: int) -> None:
-    """Record the run's state, and which process holds it while it runs."""
+def write_status(
+    run_dir: Path, status: str, steps_taken: int, planned_steps: int, *, resumable: bool = True
+) -> None:
+    """Record the run's state, and which process holds it while it runs (and, interrupted, the
+    command that resumes it, unless its checkpoint was already resumed once)."""
     document = {
         "status": status,
         "pid": os.getpid(),
@@ -106,7 +200,7 @@ def write_status(run_dir: Path, status: str, steps_taken: int, planned_steps: in
         "steps_taken": steps_taken,
         "planned_steps": planned_steps,
     }
-    if status == INTERRUPTED:
+    if status == INTERRUPTED and resumable:
         document["resume"] = f"dpfy train --resume {run_dir}"
     temporary = run_dir / f".{STATUS_FILE}.tmp"
     temporary.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
@@ -140,7 +234,8 @@ def claim_for_resume(run_dir: Path) -> None:
 
     The check and the new running status (naming this process) happen under an exclusive lock
     file, so of two resumes of one directory started together exactly one proceeds; the other
-    then finds the run running in a live process and is refused.
+    then finds the run running in a live process and is refused. A checkpoint that was resumed
+    before (:func:`load_checkpoint` records it) is refused here, with nothing changed.
     """
     if not (run_dir / CHECKPOINT_FILE).is_file():
         if not run_dir.is_dir():
@@ -168,6 +263,10 @@ def claim_for_resume(run_dir: Path) -> None:
                 f"{run_dir} is being trained by process {status.get('pid')} on "
                 f"{status.get('host')}; stop it first (Ctrl-C leaves a checkpoint), then resume"
             )
+        path = run_dir / CHECKPOINT_FILE
+        record = _resumed(run_dir, _digest(_read(path, run_dir, mmap=True), path))
+        if record.exists():
+            raise ValueError(_already_resumed(run_dir, record))
         write_status(run_dir, RUNNING, int(status.get("steps_taken", 0) or 0),
                      int(status.get("planned_steps", 0) or 0))  # fmt: skip
     finally:

@@ -156,8 +156,8 @@ def train_private(
     calls ``checkpoint`` at every evaluation, before its figures are shown, and raises
     :class:`TrainingStopped` when ``stop`` is requested or Ctrl-C arrives. Checkpointing before
     showing means a figure computed from the model (test accuracy) only ever leaves the process
-    at a step a resume continues after: a resume never replays, with the same noise, a step
-    whose result was already seen.
+    at a step a resume continues after: a resume (which draws fresh noise) never trains again a
+    step whose result was already seen, which would release it twice.
     """
     history = [] if history is None else history
     stop = stop or StopRequest()

@@ -1,8 +1,8 @@
 """How a training job ends, in its run directory: finished, or interrupted and resumable.
 
 A finished run writes its model, history, facts, report and plots, deletes its checkpoint (it
-holds the random state the noise was drawn from) and marks its status finished. An interrupted run
-writes a checkpoint at the step where it stopped and a report of what was spent so far, marked
+holds the random state the batches were drawn from) and marks its status finished. An interrupted
+run writes a checkpoint at the step where it stopped and a report of what was spent so far, marked
 interrupted and naming the command that continues it.
 """
 
@@ -20,6 +20,7 @@ from dpfy.jobs.checkpoint import (
     INTERRUPTED,
     RUNNING,
     JobState,
+    checkpoint_consumed,
     remove_checkpoint,
     save_checkpoint,
     write_status,
@@ -35,6 +36,12 @@ if TYPE_CHECKING:
 
 #: The exit code of a run stopped by Ctrl-C (128 + SIGINT, as shells report it).
 INTERRUPTED_EXIT = 130
+#: Why a continuation stopped before its first checkpoint of its own cannot be resumed.
+NOT_RESUMABLE = (
+    "cannot be resumed: this continuation stopped before writing a checkpoint of its own, and "
+    "the checkpoint it continued from was already resumed once (resuming it again would release "
+    "the same steps twice); start a new run"
+)
 
 
 class Interrupted(Exception):
@@ -42,14 +49,20 @@ class Interrupted(Exception):
 
     def __init__(
         self, run_dir: Path, steps_taken: int, planned_steps: int, epsilon: float, delta: float,
-        checkpointed: bool,
+        checkpointed: bool, resumable: bool = True,
     ) -> None:  # fmt: skip
         self.run_dir, self.steps_taken, self.planned_steps = run_dir, steps_taken, planned_steps
         self.epsilon, self.delta, self.checkpointed = epsilon, delta, checkpointed
+        self.resumable = resumable
         where = f"step {steps_taken}" if checkpointed else "its last periodic checkpoint"
+        then = (
+            f"`dpfy train --resume {run_dir}` continues it from {where}"
+            if resumable
+            else f"it {NOT_RESUMABLE}"
+        )
         super().__init__(
             f"interrupted after {steps_taken} of {planned_steps} steps (ε = {epsilon:.4g} spent "
-            f"so far at δ = {delta:g}); `dpfy train --resume {run_dir}` continues it from {where}"
+            f"so far at δ = {delta:g}); {then}"
         )
 
     @property
@@ -147,20 +160,28 @@ def interrupted(
         return KeyboardInterrupt()
     if stopped.at_step_boundary:
         save_checkpoint(private, run_dir, job)
+    resumable = not checkpoint_consumed(run_dir)  # a checkpoint of its own was not resumed yet
     steps, planned = private.ledger.steps, private.plan.steps
     # Stopped inside a step, the model in memory is past the last checkpoint, and a resume will
-    # replay those steps with the same noise: nothing computed from that model is published.
+    # train those steps again (with fresh noise): nothing computed from that model is published,
+    # so they are released once.
     shown = accuracy(private.model, data.test) if stopped.at_step_boundary else None
     facts = _facts(private, config, data, split, job, shown, None)
     _write_report(run_dir, facts, job)
     report = run_dir / "report.md"
+    resume = f"`dpfy train --resume {run_dir}` continues the run"
+    then = (
+        f"{resume}, and its final report covers all steps."
+        if resumable
+        else f"The run {NOT_RESUMABLE}."
+    )
     report.write_text(
         f"> **Interrupted** after {steps} of {planned} planned steps: this report covers only "
-        f"what was spent so far. `dpfy train --resume {run_dir}` continues the run, and its "
-        "final report covers all steps.\n\n" + report.read_text(encoding="utf-8"),
+        f"what was spent so far. {then}\n\n" + report.read_text(encoding="utf-8"),
         encoding="utf-8",
     )
-    write_status(run_dir, INTERRUPTED, steps, planned)
+    write_status(run_dir, INTERRUPTED, steps, planned, resumable=resumable)
     return Interrupted(
-        run_dir, steps, planned, private.epsilon(), private.plan.delta, stopped.at_step_boundary
-    )
+        run_dir, steps, planned, private.epsilon(), private.plan.delta, stopped.at_step_boundary,
+        resumable,
+    )  # fmt: skip

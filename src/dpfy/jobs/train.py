@@ -162,7 +162,10 @@ def run_training(
     """Train, evaluate, write the run directory and the privacy report; return the figures.
 
     ``resume=RUN_DIR`` continues that interrupted run from its checkpoint (``config`` must be the
-    run's own, from its ``config.json``); Ctrl-C raises :class:`~dpfy.jobs.outcome.Interrupted`
+    run's own, from its ``config.json``), with fresh noise; a checkpoint is resumed once — a
+    second continuation would be a second release of its steps — and a second resume of it is
+    refused (:mod:`dpfy.jobs.checkpoint`), the continuation's own checkpoints resuming in turn.
+    Ctrl-C raises :class:`~dpfy.jobs.outcome.Interrupted`
     once the checkpoint and the report of what was spent are written. Under ``torchrun
     --nproc-per-node N -m dpfy train …`` every rank trains its shard of one private run
     (:mod:`dpfy.train.distributed`); rank 0 alone evaluates the result into the run directory.

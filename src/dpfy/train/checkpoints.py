@@ -6,6 +6,11 @@ emptied one, or a file whose bytes changed on disk. The digest (SHA-256 over eve
 shape and byte) catches any change to the file's content; the binding check in
 :mod:`dpfy.train.session` catches parts that were put together from different places. The digest is
 integrity, not authentication: whoever can run dpfy can also seal an edited checkpoint.
+
+A checkpoint holds no noise generator state: every process that resumes draws fresh noise, so no
+continuation can replay the noise the interrupted run drew (version 4). Version-3 checkpoints,
+which held it, still load: their digest is checked over everything they hold, then the noise
+state is dropped unread.
 """
 
 from __future__ import annotations
@@ -21,15 +26,17 @@ from typing import Any
 import torch
 
 FORMAT = "dpfy.checkpoint"
-VERSION = 3
-PARTS = ("plan", "model", "optimizer", "ledger", "loader", "noise", "mechanism", "run")
+VERSION = 4
+PARTS = ("plan", "model", "optimizer", "ledger", "loader", "mechanism", "run")
+#: Parts only older versions hold, dropped once their digest is checked.
+_DROPPED = {3: ("noise",)}
 
 
 def save_atomically(state: Any, target: Path) -> Path:
     """``torch.save`` into ``target`` so a crash mid-write keeps the previous file whole.
 
     The file is owner-only: mkstemp creates it so, and os.replace keeps that (a checkpoint holds
-    the noise and sampling generators' states).
+    the sampling generator's state, from which the batches drawn can be reconstructed).
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
@@ -50,15 +57,18 @@ def seal(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def unseal(state: Any) -> dict[str, Any]:
-    """The checkpoint's parts, after refusing anything but an intact checkpoint of this format."""
+    """The checkpoint's parts, after refusing anything but an intact checkpoint of this format
+    (an older version's parts that are no longer read left out)."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError("not a dpfy checkpoint (missing format marker); nothing was loaded")
-    if state.get("version") != VERSION:
+    version = state.get("version")
+    if version != VERSION and version not in _DROPPED:
         raise ValueError(
-            f"unsupported dpfy checkpoint version {state.get('version')!r} (this dpfy reads "
-            f"version {VERSION}); nothing was loaded"
+            f"unsupported dpfy checkpoint version {version!r} (this dpfy reads versions "
+            f"{', '.join(map(str, sorted({*_DROPPED, VERSION})))}); nothing was loaded"
         )
-    missing = [part for part in (*PARTS, "digest") if part not in state]
+    dropped = _DROPPED.get(version, ())
+    missing = [part for part in (*PARTS, *dropped, "digest") if part not in state]
     if missing:
         raise ValueError(
             f"the checkpoint lacks {', '.join(missing)}; it is incomplete or was edited. "
@@ -72,7 +82,7 @@ def unseal(state: Any) -> dict[str, Any]:
             "so training on changes it: save it with PrivateTraining.save or deep-copy it). "
             "Nothing was loaded — resume from an intact checkpoint"
         )
-    return body
+    return {key: value for key, value in body.items() if key not in dropped}
 
 
 def state_digest(value: Any) -> str:

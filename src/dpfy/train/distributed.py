@@ -16,7 +16,8 @@ Why this preserves the single-process guarantee (central DP, guide §3.1, alg. 1
   same code path, with no special rank; (iii) the all-reduce never carries a noiseless sum. The
   price is that the shares must be independent: each rank's noise (and sampling) stream is seeded
   separately — from the OS by default, or from :func:`derive_seed` (user seed, rank, purpose) when
-  a seed is given.
+  a seed is given. A resume starts every rank's noise stream afresh (from the OS, or from that
+  rank's seed and the step resumed at): no rank replays the noise it drew before.
 - **Division by the global expected batch size** B = qN, never a local or realised
   size; every rank ends with the same noisy averaged gradient and applies the same update.
 - **One ledger.** Every rank records the same step (same σ, q, record) and so holds an identical
@@ -26,13 +27,13 @@ Why this preserves the single-process guarantee (central DP, guide §3.1, alg. 1
 
 Trust model: central DP. The ranks and the aggregation are trusted (they see clipped, not yet
 fully noised, partial sums); what is protected is what the run releases — the model and reports.
-Checkpoints are not releases: they hold every rank's sampler and noise-generator state, from which
-past batches and noise can be reconstructed, so they must stay as private as the data.
+Checkpoints are not releases: they hold every rank's sampler state, from which past batches can be
+reconstructed, so they must stay as private as the data. They hold no noise generator state.
 
 Failures: every collective is wrapped; if another rank crashed, was killed, skipped a step or the
 network failed, the collective fails (at once, or after the process-group timeout) and this rank
 raises :class:`PeerFailure` before the step changes its model or ledger, so the last checkpoint
-(written by rank 0, holding every rank's sampler and noise state) remains a valid resume point.
+(written by rank 0, holding every rank's sampler state) remains a valid resume point.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 :func:`dpfy.train.builder.make_private` returns one :class:`PrivateTraining` whatever the
 variant; its checkpoints hold the plan, and resuming refuses any checkpoint that does not belong
-to the run (another run's ledger, an earlier one, other settings, edited bytes).
+to the run (another run's ledger, an earlier one, other settings, edited bytes). They hold no
+noise generator state: every resume draws fresh noise, so noise is never replayed.
 """
 
 from __future__ import annotations
@@ -112,11 +113,12 @@ class PrivateTraining:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: model, optimizer, ledger, sampler and noise RNG.
+        """Everything a resumed run needs: model, optimizer, ledger, sampler, and the noise a
+        correlated mechanism must carry on (DP-FTRL's tree nodes already drawn).
 
+        No noise generator state: a resumed run draws fresh noise (:meth:`load_state_dict`).
         Sealed with a content digest (:mod:`dpfy.train.checkpoints`). Distributed: collective (call
-        it
-        on every rank); holds every rank's sampler and noise.
+        it on every rank); holds every rank's sampler state.
         """
         return seal(
             {
@@ -125,7 +127,6 @@ class PrivateTraining:
                 "optimizer": self.optimizer.state_dict(),
                 "ledger": self.ledger.state_dict(),
                 "loader": self.replicas.gather(self.loader.state_dict()),
-                "noise": self.replicas.gather(self.noise.state_dict()),
                 "mechanism": self.optimizer.mechanism.state_dict(),
                 "run": self.run_id,
             }
@@ -134,14 +135,32 @@ class PrivateTraining:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; all or nothing — on any error nothing has changed.
 
+        Every resume draws fresh noise: the checkpoint holds no noise generator state, and the
+        run's source starts a stream never drawn before (OS entropy; with ``seed=``, one derived
+        from the seed, the step resumed at and a count of this process's resumes, so an
+        experiment reproduces yet never replays the interrupted run's stream). Replaying noise
+        would let two continuations that differ in one record cancel it in their difference.
+        Only noise a correlated mechanism already drew is restored exactly (DP-FTRL's tree
+        nodes): the stream continues once. Two continuations of one checkpoint are therefore
+        two releases of the steps after it, and they spend twice: this method does not refuse
+        the second (``dpfy train --resume`` does), and each continuation's ledger counts only
+        its own steps, so say so when publishing both.
+
         Refused: a checkpoint whose content changed since it was written, or whose ledger does
-        not belong with its sampler state (another run's, an earlier one, an emptied one). Going
-        back to an earlier checkpoint of this same run keeps what was spent since: those steps
-        are carried in the ledger as :data:`REWOUND` releases, so ε never goes down, and the
-        noise stream is not rewound with it (replaying the same noise on a changed gradient
-        would reveal their difference). A DP-FTRL run cannot go back at all.
+        not belong with its sampler state (another run's, an earlier one, an emptied one), and a
+        run whose noise source cannot start a fresh stream (no ``reseed``). Going back to an
+        earlier checkpoint of this same run keeps what was spent since: those steps are carried
+        in the ledger as :data:`REWOUND` releases, so ε never goes down. A DP-FTRL run cannot go
+        back at all. Checkpoints of dpfy versions that saved the noise state still load; that
+        state is ignored.
         """
         state = unseal(state)
+        if not callable(getattr(self.noise, "reseed", None)):
+            raise ValueError(
+                f"the run's noise source ({type(self.noise).__name__}) cannot start a fresh "
+                "stream (it has no reseed method), and a resumed run must never draw noise it "
+                "may have drawn before. Nothing was loaded — resume with dpfy's own noise source"
+            )
         mine = self.replicas.mine(state["loader"])  # another number of ranks: refused by name
         saved = state["plan"]
         if saved != asdict(self.plan):
@@ -164,25 +183,22 @@ class PrivateTraining:
             "model": copy.deepcopy(self.model.state_dict()),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "loader": self.loader.state_dict(),
-            "noise": self.noise.state_dict(),
             "mechanism": copy.deepcopy(self.optimizer.mechanism.state_dict()),
         }
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.loader.load_state_dict(mine)
-            if not rewound:  # going back keeps drawing fresh noise: none is ever replayed
-                self.noise.load_state_dict(self.replicas.mine(state["noise"]))
             self.optimizer.mechanism.load_state_dict(state["mechanism"])
         except Exception as err:
             self.model.load_state_dict(backup["model"])
             self.optimizer.load_state_dict(backup["optimizer"])
             self.loader.load_state_dict(backup["loader"])
-            self.noise.load_state_dict(backup["noise"])
             self.optimizer.mechanism.load_state_dict(backup["mechanism"])
             raise ValueError(
                 f"the checkpoint does not fit this run ({err}); nothing was loaded"
             ) from None
+        self.noise.reseed(ledger.steps)  # never the stream drawn on from this checkpoint before
         self.ledger.load_state_dict(ledger.state_dict())
         for (label, event), count in rewound.items():
             self.ledger.record_event(
@@ -204,7 +220,11 @@ class PrivateTraining:
         return target
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Resume from a checkpoint file; a corrupt file is refused with nothing changed."""
+        """Resume from a checkpoint file; a corrupt file is refused with nothing changed.
+
+        As :meth:`load_state_dict`: the resumed run draws fresh noise, and loading one file into
+        two runs makes two releases of the steps after it, which spend twice.
+        """
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:

@@ -150,7 +150,8 @@ class GaussianMechanism:
             total.add_(self.source.normal(total, self.std))
 
     def state_dict(self) -> dict[str, Any]:
-        """Stateless: the noise source's own state is saved with the run."""
+        """Stateless: independent noise carries nothing over a resume (the source starts a
+        fresh stream, :meth:`~dpfy.train.noise.source.TorchNoise.reseed`)."""
         return {"mechanism": "gaussian"}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

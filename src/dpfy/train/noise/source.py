@@ -8,10 +8,16 @@ it. Its cost is dominated by ``os.urandom`` (about 8 random bytes per coordinate
 pair of normals; timings in docs/performance.md). Neither defends against floating-point attacks
 on the least significant bits of the noise (Mironov 2012); the secure option removes
 predictability of the random stream, not that channel.
+
+Noise is never replayed: a checkpoint holds no noise generator state, and a run that resumes calls
+:meth:`~NoiseSource.reseed`, which starts a stream never drawn before — from OS entropy, or for a
+seeded experiment from the seed, the step it resumes at and how many streams this process has
+started afresh, so an experiment script reproduces yet a resumed stream is never the saved one.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import zlib
@@ -25,12 +31,18 @@ class NoiseSource(Protocol):
     """Draws i.i.d. N(0, std²) noise shaped like a tensor.
 
     A source may also offer ``fill_(out, std)``, drawing into ``out`` in place (no temporary);
-    :func:`fill_with_noise` uses it when it is there.
+    :func:`fill_with_noise` uses it when it is there. A source a run resumes with must offer
+    ``reseed(step)`` (see :meth:`TorchNoise.reseed`): a resume is refused without it.
     """
 
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
         """Noise with the shape, dtype and device of ``like``."""
         ...
+
+
+#: Streams this process has started afresh (:meth:`TorchNoise.reseed`): part of a seeded resume's
+#: seed, so two continuations in one process never share a stream.
+_FRESH_STREAMS = itertools.count(1)
 
 
 def fill_with_noise(source: NoiseSource, out: torch.Tensor, std: float) -> torch.Tensor:
@@ -49,11 +61,13 @@ class TorchNoise:
     GPU's own generator (its Philox stream), so a model on a GPU never waits for the CPU's
     Mersenne Twister or a host-to-device copy. Seeded from the OS, or all from ``seed``: the CPU
     generator from ``seed`` itself, each other device's from ``seed`` and the device's name
-    (:func:`device_seed`), so every stream is reproducible and no two devices share one.
+    (:func:`device_seed`), so every stream is reproducible and no two devices share one. A resume
+    moves every stream to a fresh one (:meth:`reseed`).
     """
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
+        self._stream = seed  # the seed of the streams drawn now: ``seed`` until a reseed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._on(_CPU)  # seeded now, so an unseeded source is fixed from the start
 
@@ -71,8 +85,22 @@ class TorchNoise:
         """Overwrite ``out`` with noise in place, from its own device's generator."""
         return out.normal_(0.0, std, generator=self._on(out.device))
 
+    def reseed(self, step: int) -> None:
+        """Start streams never drawn before, on every device: what a resumed run draws from.
+
+        Unseeded: fresh OS entropy. Seeded: a seed derived from ``seed``, the ``step`` the run
+        resumes at and a count of the streams this process has started afresh
+        (:func:`resumed_seed`) — an experiment that resumes reproduces when run again, but its
+        continuation never draws the stream the interrupted run drew on from its checkpoint.
+        """
+        if self.seed is not None:
+            self._stream = resumed_seed(self.seed, step, next(_FRESH_STREAMS))
+        self._generators.clear()
+        self._on(_CPU)
+
     def state_dict(self) -> dict[str, Any]:
-        """Every generator's state, so a resumed run continues the same streams."""
+        """Every generator's state (for tests and tools: no checkpoint holds it, since a resumed
+        run draws fresh noise, :meth:`reseed`)."""
         generators = dict(self._generators)  # a copy: a draw may add a device meanwhile
         return {
             "generator": generators[_CPU].get_state(),
@@ -90,12 +118,12 @@ class TorchNoise:
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
-            if self.seed is None:
+            if self._stream is None:
                 generator.seed()
             elif device.type == "cpu":
-                generator.manual_seed(self.seed)
+                generator.manual_seed(self._stream)
             else:
-                generator.manual_seed(device_seed(self.seed, str(device)))
+                generator.manual_seed(device_seed(self._stream, str(device)))
             self._generators[device] = generator
         return generator
 
@@ -107,6 +135,14 @@ def device_seed(seed: int, device: str) -> int:
     """
     entropy = [seed & (2**64 - 1), zlib.crc32(device.encode())]
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def resumed_seed(seed: int, step: int, stream: int) -> int:
+    """A 63-bit seed for a seeded run's noise after a resume at ``step`` (its ``stream``-th fresh
+    stream in this process), unrelated to ``seed``'s own stream by SeedSequence hashing."""
+    entropy = [seed & (2**64 - 1), zlib.crc32(b"resumed noise")]
+    sequence = np.random.SeedSequence(entropy, spawn_key=(int(step), int(stream)))
+    return int(sequence.generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
 class SecureNoise:
@@ -129,6 +165,9 @@ class SecureNoise:
     def fill_(self, out: torch.Tensor, std: float) -> torch.Tensor:
         """Overwrite ``out`` with secure noise."""
         return out.copy_(self.normal(out, std))
+
+    def reseed(self, step: int) -> None:
+        """Nothing to do: every draw is fresh from the OS, after a resume as before it."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A secure source keeps no replayable state."""
