@@ -133,6 +133,7 @@ def _private(run: BlackBoxRun, trainset: torch.utils.data.Dataset, steps: int) -
         max_grad_norm=plan.max_grad_norm,
         engine=run.config.engine,
         seed=run.seed,
+        criterion=_CRITERION,
     )
 
 
@@ -141,7 +142,7 @@ def _train(private: PrivateTraining, on_step: Callable[[], None] | None) -> None
     for _ in range(getattr(private.loader, "epochs", None) or 1):
         for x, y in private.loader:
             private.optimizer.zero_grad()
-            _CRITERION(private.model(x), y).backward()
+            private.criterion(private.model(x), y).backward()
             private.optimizer.step()
             if on_step is not None:
                 on_step()

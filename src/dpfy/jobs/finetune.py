@@ -93,7 +93,7 @@ def train_private(
 
     An empty Poisson batch is still a step: no forward pass, but the private step adds its noise.
     """
-    criterion = nn.CrossEntropyLoss()  # one label per text: a per-example mean, not per token
+    criterion = private.criterion  # make_private's cross-entropy, probed for coupled examples
     history: list[dict[str, float]] = []
     private.model.train()
     with _progress(console) as progress:
@@ -171,6 +171,7 @@ def make_private_run(prepared: Prepared, config: FinetuneConfig) -> PrivateTrain
         max_grad_norm=config.max_grad_norm,
         engine=config.engine,
         seed=config.seed,
+        criterion=nn.CrossEntropyLoss(),  # one label per text: a per-example mean, probed
     )
 
 

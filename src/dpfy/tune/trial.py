@@ -137,10 +137,11 @@ def run_trial(config: TrialConfig, data: TuningData, delta: float) -> TrialResul
         delta=delta,
         max_grad_norm=config.max_grad_norm,
         seed=config.seed,
+        criterion=nn.CrossEntropyLoss(),
     )
     if zero_noise:
         private.optimizer.noise = _ZeroNoise()
-    criterion = nn.CrossEntropyLoss()
+    criterion = private.criterion  # probed for coupled examples like every private loop
     with record_clip_norms(private) as norms:
         for x, y in rest_of_run(private.loader):
             private.optimizer.zero_grad()
