@@ -55,6 +55,10 @@ def test_the_job_writes_a_run_directory_whose_report_names_the_public_weights(
     rows = json.loads((run / "history.json").read_text())["rows"]
     assert [row["epoch"] for row in rows] == [1, 2]
     assert result.epsilon <= 8.0 and result.baseline_accuracy is not None
+    # the non-private baseline is an un-noised diagnostic: in diagnostics.json, not on the card
+    assert "baseline_accuracy" not in (run / "report.json").read_text()
+    diagnostics = json.loads((run / "diagnostics.json").read_text())
+    assert diagnostics["baseline_accuracy"] == result.baseline_accuracy
 
 
 def test_the_command_runs_and_prints_where_the_report_is(
@@ -69,6 +73,8 @@ def test_the_command_runs_and_prints_where_the_report_is(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert f"report: {out}/report.md" in result.output
+    assert f"diagnostics (not for publication): {out}/diagnostics.md" in result.output
+    assert (out / "diagnostics.md").is_file()
     assert "DP fine-tuning" in result.output and "baseline without privacy" in result.output
 
 

@@ -21,7 +21,15 @@ from dpfy.report.facts import (
     accounting_facts,
     model_facts,
 )
-from dpfy.report.pitfalls import DETECTORS, Finding, Severity, detector, find_pitfalls
+from dpfy.report.pitfalls import (
+    DETECTORS,
+    READS_DIAGNOSTICS,
+    Finding,
+    Severity,
+    detector,
+    diagnostic_pitfalls,
+    find_pitfalls,
+)
 from dpfy.train.checks import find_sparse_gradient_layers
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.step_record import StepRecord
@@ -255,6 +263,14 @@ def test_clip_norm_far_below_the_median_warns_information_lost(clean):
 @pytest.mark.parametrize("clip", [0.11, 1.0, 4.9])
 def test_clip_norm_near_the_median_passes(clean, clip):
     assert not {"clip-norm-too-large", "clip-norm-too-small"} & set(codes(_with_norms(clean, clip)))
+
+
+def test_the_clip_norm_check_reads_diagnostics_so_its_finding_stays_off_the_card(clean):
+    facts = _with_norms(clean, clip=6.0)
+    assert "clip-norm-mismatch" in READS_DIAGNOSTICS
+    assert [f.code for f in diagnostic_pitfalls(facts)] == ["clip-norm-too-large"]
+    assert "clip-norm-too-large" not in [f.code for f in find_pitfalls(facts, diagnostics=False)]
+    assert "clip-norm-too-large" in codes(facts)  # the run's own terminal shows them all
 
 
 def test_no_norm_statistics_means_no_clip_finding(clean):

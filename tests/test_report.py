@@ -19,6 +19,7 @@ import dpfy
 from dpfy.data.loader import rest_of_run
 from dpfy.plan.accounting import RdpAccountant, dpsgd_event, make_accountant
 from dpfy.report import card as card_module
+from dpfy.report.diagnostics import diagnostics_document, render_diagnostics
 from dpfy.report.facts import (
     FACTS_VERSION,
     PreprocessingStep,
@@ -318,20 +319,22 @@ def test_every_registered_section_appears_in_both_forms(poisson):
     _, facts = poisson
     card = build_report(facts)
     data, md = card.to_json(), card.to_markdown()
-    assert data["format"] == REPORT_FORMAT and data["version"] == 1
+    assert data["format"] == REPORT_FORMAT and data["version"] == 2
     for key, spec in SECTIONS.items():
         assert key in data and f"## {spec.title}" in md
-    public_md, public_json = card.to_markdown(diagnostics=False), card.to_json(diagnostics=False)
-    assert "Diagnostics" not in public_md and "diagnostics" not in public_json
-    assert "median" in md and "median" not in public_md  # gradient norms are not private
+    # the card meant for publication holds no un-noised statistic of the private data
+    assert "diagnostics" not in data and "## Diagnostics" not in md
+    assert "median" not in md and "0.93" not in md  # gradient norms, the non-private baseline
+    assert "median" in render_diagnostics(facts)  # they are in the diagnostics file
 
 
 def test_diagnostics_carry_accuracy_and_gradient_norm_statistics(poisson):
     _, facts = poisson
-    diag = build_report(facts).to_json()["diagnostics"]
+    diag = diagnostics_document(facts)
     assert diag["accuracy"] == 0.81 and diag["baseline_accuracy"] == 0.93
     assert diag["grad_norms"]["count"] > 0 and diag["grad_norms"]["max_grad_norm"] == C
-    assert "NOT covered by the DP guarantee" in diag["not_private"]
+    assert "outside the DP guarantee" in diag["not_for_publication"]
+    assert build_report(facts).to_json()["results"]["accuracy"] == 0.81  # released: on the card
 
 
 # -- JSON round trip ------------------------------------------------------------------------------
@@ -441,7 +444,7 @@ SCHEMA_KEYS = {
     "software",
     "pitfalls",
     "run",
-    "diagnostics",
+    "results",
 }
 
 
@@ -486,9 +489,15 @@ def test_write_report_fills_a_run_directory_that_renders_again(shuffled, tmp_pat
         "report.json",
         "epsilon.png",
         "training.png",
+        "diagnostics.md",
+        "diagnostics.json",
+        "diagnostics.png",
     }
     assert written["epsilon_plot"].read_bytes()[:4] == b"\x89PNG"
     assert render_run(tmp_path / "run") == written["markdown"].read_text(encoding="utf-8")
+    assert render_run(tmp_path / "run", diagnostics=True) == written[
+        "diagnostics_markdown"
+    ].read_text(encoding="utf-8")
     assert render_run(tmp_path / "run", "md") == build_report(facts).to_markdown()
     assert json.loads(render_run(tmp_path / "run", "json")) == build_report(facts).to_json()
     with pytest.raises(ValueError, match="format must be one of md, json"):

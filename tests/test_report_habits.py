@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,14 +186,14 @@ def test_history_marks_train_metrics_not_private_and_test_metrics_released(tmp_p
 
 @pytest.fixture
 def drawn(monkeypatch) -> dict:
-    """The keyword arguments the run directory's training plot was drawn with."""
+    """The keyword arguments each of the run directory's training plots was drawn with."""
     from dpfy.report import training_plot
 
     seen: dict = {}
     real = training_plot.plot_training_curves
 
     def spy(history, path, **kwargs):
-        seen.update(kwargs)
+        seen[Path(path).name] = kwargs
         return real(history, path, **kwargs)
 
     monkeypatch.setattr(training_plot, "plot_training_curves", spy)
@@ -208,14 +209,22 @@ def test_dpfy_train_writes_a_labelled_history_and_draws_the_baseline(tmp_path, d
     doc = json.loads((tmp_path / "run" / "history.json").read_text())
     assert doc["not_private"]["fields"] == ["loss", "train_accuracy"]
     assert doc["rows"] == result.history
-    assert drawn["baseline_accuracy"] == result.baseline_accuracy is not None
+    # the baseline is drawn on the diagnostics plot, never on the one beside the card
+    assert drawn["diagnostics.png"]["baseline_accuracy"] == result.baseline_accuracy is not None
+    assert drawn["training.png"] == {"private_curves": False}
 
 
-def test_write_report_draws_the_facts_baseline_on_the_training_plot(poisson_run, tmp_path, drawn):
+def test_write_report_draws_the_facts_baseline_on_the_diagnostics_plot(
+    poisson_run, tmp_path, drawn
+):
     facts = _facts(poisson_run, results=ResultFacts(accuracy=0.8, baseline_accuracy=0.9))
     written = write_report(facts, tmp_path, history=ROWS)
     assert written["training_plot"].read_bytes()[:4] == b"\x89PNG"
-    assert drawn == {"baseline_accuracy": 0.9}
+    assert written["diagnostics_plot"].read_bytes()[:4] == b"\x89PNG"
+    assert drawn == {
+        "training.png": {"private_curves": False},
+        "diagnostics.png": {"baseline_accuracy": 0.9},
+    }
 
 
 # -- the plots ------------------------------------------------------------------------------------
@@ -311,10 +320,25 @@ def test_training_plot_labels_private_data_curves_and_draws_the_baseline():
     accuracy_axes = figure.axes[1]
     baseline = [line for line in accuracy_axes.get_lines() if BASELINE_LABEL in line.get_label()]
     assert len(baseline) == 1 and list(baseline[0].get_ydata()) == [0.93, 0.93]
-    assert NOT_PRIVATE_TAG in figure.get_suptitle()
+    assert (
+        NOT_PRIVATE_TAG in figure.get_suptitle() and "NOT FOR PUBLICATION" in figure.get_suptitle()
+    )
     legend = [t.get_text() for t in figure.legends[0].get_texts()]
     assert set(curves.labels.values()) | {"ε spent"} == set(legend)
     assert _overlaps(figure) == []
+
+
+def test_the_published_training_plot_draws_only_released_curves():
+    figure, curves = training_figure(ROWS, private_curves=False)
+    assert set(curves.labels) == {"test_accuracy"} and curves.labels["test_accuracy"] == (
+        "test accuracy"
+    )
+    assert NOT_PRIVATE_TAG not in figure.get_suptitle()
+    legend = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert set(legend) == {"test accuracy", "ε spent"}
+    assert _overlaps(figure) == []
+    with pytest.raises(ValueError, match="never on the published plot"):
+        training_figure(ROWS, baseline_accuracy=0.9, private_curves=False)
 
 
 def test_training_plot_without_a_baseline_or_private_curves_has_neither_label():

@@ -10,6 +10,7 @@ import pytest
 
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SAMPLING_UNITS, SamplingKind, SamplingRecord
+from dpfy.report.diagnostics import render_diagnostics
 from dpfy.report.facts import (
     UNITS,
     DatasetFacts,
@@ -156,11 +157,14 @@ VARIANTS = {
 def test_every_variant_renders_its_own_sentences_with_every_field_filled(variant):
     changes, *phrases = VARIANTS[variant]
     privacy = plan(**changes)
-    card = build_report(_facts(privacy, unit=privacy.unit))
+    facts = _facts(privacy, unit=privacy.unit)
+    card = build_report(facts)
     md = card.to_markdown()
+    diagnostics = render_diagnostics(facts)  # names the clipped unit beside its norms
     for phrase in phrases:
-        assert phrase in md, phrase
-    assert not re.search(r"\{[a-z_]*(:[^}]*)?\}", md), "a template field was left unfilled"
+        assert phrase in md + diagnostics, phrase
+    for text in (md, diagnostics):
+        assert not re.search(r"\{[a-z_]*(:[^}]*)?\}", text), "a template field was left unfilled"
     user_level = privacy.unit == "user"
     assert ("one user (all of that user's examples)" in md) is user_level
     assert ("| users | N |" in md) is user_level

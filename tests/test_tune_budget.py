@@ -70,12 +70,17 @@ def test_a_tuning_share_caps_what_the_trials_spend_and_the_final_run_takes_the_r
     summary = _tune(tmp_path, accounting="compose", tuning_share=0.3, compare_default=True)
     shown = _reported(summary)
     assert (1 - SLACK) * 0.3 * BUDGET <= shown["tuning"] <= 0.3 * BUDGET
-    assert (1 - SLACK) * BUDGET <= shown["total"] <= BUDGET
+    budgeted = summary["final"]["budgeted_epsilon"]  # training and tuning composed
+    assert (1 - SLACK) * BUDGET <= budgeted <= BUDGET
     # the trials ran at their own σ, noisier than the final run's
     assert summary["trial_noise_multiplier"] > summary["noise_multiplier"]
     # the untuned default is what not tuning gives: the whole budget on one run
     default = summary["untuned_default"]["epsilon"]
     assert (1 - SLACK) * BUDGET <= default["total"] <= BUDGET and "tuning" not in default
+    # a second model on the same private data: the reported total composes it, past the budget
+    assert shown["other"]["untuned-default"] == pytest.approx(default["total"], rel=1e-9)
+    assert shown["total"] > max(budgeted, default["total"])
+    assert shown["total"] == pytest.approx(summary["final"]["epsilon"]["total"])
 
 
 @pytest.mark.parametrize("share", [None, 0.3])

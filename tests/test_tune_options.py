@@ -55,6 +55,7 @@ def test_the_training_options_reach_the_trials_and_the_final_run(tmp_path: Path)
         tmp_path, "--tuning-accounting", "compose", "--model", "logreg", "--batch-size", "64",
         "--delta", "1e-4", "--max-grad-norm", "2", "--clip-grid", "0.5,5", "--epochs", "1",
         "--trial-epochs", "0.5", "--seed", "0", "--target-epsilon", "2", "--tuning-share", "0.4",
+        "--compare-default",
     )  # fmt: skip
     assert code == 0, output
     summary = json.loads((tmp_path / "out" / "tuning.json").read_text())
@@ -63,7 +64,9 @@ def test_the_training_options_reach_the_trials_and_the_final_run(tmp_path: Path)
     assert summary["untuned_default"]["max_grad_norm"] == 2.0
     assert summary["final"]["delta"] == 1e-4
     assert summary["budget"]["tuning_share"] == 0.4
-    assert summary["final"]["epsilon"]["total"] <= 2.0
+    assert summary["final"]["budgeted_epsilon"] <= 2.0  # training and tuning
+    eps = summary["final"]["epsilon"]  # the total composes the untuned default too
+    assert eps["total"] > summary["final"]["budgeted_epsilon"] and "untuned-default" in eps
     facts = json.loads((tmp_path / "out" / "final" / "facts.json").read_text())
     assert facts["model"]["name"] == "logreg"
     assert facts["privacy"]["expected_batch_size"] == 64

@@ -318,7 +318,9 @@ _TRAIN_HELP = "\n\n".join(
         "Train on a bundled dataset (DP-SGD or DP-FTRL) and write the privacy report card.",
         "Prints a short summary (run directory, report path, accuracy, ε and δ, one line per "
         "WARN or ERROR pitfall); --quiet prints only the run directory, --json one JSON object. "
-        "The whole report card is in RUN_DIR/report.md.",
+        "The whole report card, to publish, is in RUN_DIR/report.md; un-noised diagnostics of "
+        "the private data (gradient norms, the --baseline accuracy) are in "
+        "RUN_DIR/diagnostics.md, not for publication.",
         "--config RUN_DIR/config.json replays a run's settings (options given here override "
         "them; --out defaults to a fresh directory). Ctrl-C stops at a step boundary, leaving a "
         "checkpoint and a report of what was spent; --resume RUN_DIR continues it (other options "
@@ -414,7 +416,12 @@ def train(
     optimizer: Annotated[OptimizerChoice, typer.Option(help="Torch optimizer.")] = _OPTIMIZER,
     out: Annotated[str | None, typer.Option(help=_OUT_HELP)] = None,
     seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _TRAIN.seed,
-    baseline: Annotated[bool, typer.Option("--baseline", help="Also train non-privately.")] = False,
+    baseline: Annotated[
+        bool,
+        typer.Option(
+            "--baseline", help="Also train non-privately (its accuracy: terminal, diagnostics.md)."
+        ),
+    ] = False,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
     engine: Annotated[EngineChoice, typer.Option(help="Per-example gradient engine.")] = _ENGINE,
     unit: Annotated[
@@ -497,14 +504,22 @@ def _no_facts(run_dir: Path) -> str:
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `dpfy train`.")],
     format: Annotated[ReportFormat, typer.Option(help="md or json.")] = ReportFormat.md,
+    diagnostics: Annotated[
+        bool,
+        typer.Option(
+            "--diagnostics",
+            help="Print the run's un-noised diagnostics of the private data instead of its card "
+            "(diagnostics.md: not for publication).",
+        ),
+    ] = False,
 ) -> None:
-    """Re-render a run's privacy report card from the facts it saved."""
+    """Re-render a run's privacy report card (or its diagnostics) from the facts it saved."""
     from dpfy.report.render import render_run
 
     with _user_errors():
         if not (run_dir / "facts.json").exists():
             raise ValueError(_no_facts(run_dir))
-        typer.echo(render_run(run_dir, format.value))
+        typer.echo(render_run(run_dir, format.value, diagnostics=diagnostics))
 
 
 @app.command()
@@ -565,6 +580,15 @@ def tune(
     ] = None,
     seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
+    compare_default: Annotated[
+        bool,
+        typer.Option(
+            "--compare-default",
+            help="Also train the untuned configuration (--lr, --max-grad-norm) at the whole "
+            "budget on the same private data, for comparison; its ε is composed into the printed "
+            "total and the report.",
+        ),
+    ] = False,
 ) -> None:
     """Tune hyperparameters under privacy (guide §5.4), train the choice, report both costs."""
     from dpfy.tune.command import tune_command
@@ -578,6 +602,7 @@ def tune(
             tuning_share=tuning_share, delta=delta, model=model.value, batch_size=batch_size,
             max_grad_norm=max_grad_norm, epochs=epochs, trial_epochs=trial_epochs,
             optimizer=optimizer.value, lr=lr, out=_out_dir(out), seed=seed, data_dir=data_dir,
+            compare_default=compare_default,
         )  # fmt: skip
 
 

@@ -34,7 +34,11 @@ _MODE_HELP = (
 
 
 def _summary(result: FinetuneResult) -> str:
-    """The lines printed when the run ends: accuracy, baseline, ε and where the report is."""
+    """The lines printed when the run ends: accuracy, baseline, ε and where the report is.
+
+    The non-private baseline is shown here, on the user's own terminal, and kept in the
+    diagnostics file (not for publication), never on the card.
+    """
     baseline = result.baseline_accuracy
     return "\n".join(
         [
@@ -42,6 +46,7 @@ def _summary(result: FinetuneResult) -> str:
             + ("" if baseline is None else f" · non-private baseline {baseline:.4f}"),
             f"ε = {result.epsilon:.4g} at δ = {result.delta:g}",
             f"report: {result.run_dir}/report.md",
+            f"diagnostics (not for publication): {result.run_dir}/diagnostics.md",
         ]
     )
 

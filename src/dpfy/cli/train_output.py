@@ -3,7 +3,9 @@
 
 Everything here is plain text written line by line, never a rich table: a table is cut or wrapped
 to the terminal's width (80 columns when piped), which would break the paths a script reads.
-The whole report card is in ``report.md``; the summary names it.
+The whole report card is in ``report.md``; the summary names it, and the diagnostics file beside
+it (un-noised statistics of the private data, not for publication). The non-private baseline's
+accuracy is printed here, on the user's own terminal, and kept in that file, never on the card.
 """
 
 from __future__ import annotations
@@ -50,13 +52,22 @@ def exit_code(result: TrainResult) -> int:
     return PITFALL_EXIT if any(p.severity.value == "error" for p in result.pitfalls) else 0
 
 
+def _diagnostics(result: TrainResult) -> str | None:
+    """The path of the run's diagnostics file, if it wrote one."""
+    path = result.run_dir / "diagnostics.md"
+    return str(path) if path.is_file() else None
+
+
 def _summary_lines(result: TrainResult, unit: str) -> list[str]:
     """The short human summary: where the run is, its accuracy, its (ε, δ), its pitfalls."""
     lines = [
         f"run directory: {result.run_dir}",
         f"report: {result.run_dir / 'report.md'}",
-        f"{result.accuracy_of}: {result.test_accuracy:.4f}",
     ]
+    diagnostics = _diagnostics(result)
+    if diagnostics is not None:
+        lines.append(f"diagnostics (not for publication): {diagnostics}")
+    lines.append(f"{result.accuracy_of}: {result.test_accuracy:.4f}")
     if result.baseline_accuracy is not None:
         lines.append(f"test accuracy (non-private): {result.baseline_accuracy:.4f}")
     resumed = "" if result.resumed_at is None else f", resumed at step {result.resumed_at}"
@@ -78,6 +89,7 @@ def _document(result: TrainResult, unit: str) -> dict[str, Any]:
         "run_dir": str(result.run_dir),
         "test_accuracy": result.test_accuracy,
         "baseline_accuracy": result.baseline_accuracy,
+        "diagnostics": _diagnostics(result),
         "epsilon": _finite(result.epsilon),
         "delta": result.delta,
         "unit": unit,

@@ -5,7 +5,8 @@ model trains without noise on the public features and those labels. Input-level:
 record is randomised by a local randomiser (Laplace on features clipped into public bounds, RR on
 its label, half the ε each), then the model trains without noise on the randomised records. Both
 write a run directory: ``config.json``, ``model.pt``, ``report.md`` and ``report.json`` (the
-access model, its ε and randomiser, accuracy and pitfalls) and ``status.json``.
+access model, its ε and randomiser, accuracy and pitfalls), ``diagnostics.md`` and
+``diagnostics.json`` (a ``--baseline`` accuracy: not for publication) and ``status.json``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 
 from dpfy.report.access_card_layout import findings_lines, render_card, write_card
 from dpfy.report.access_facts import AccessFacts, access_statement
+from dpfy.report.diagnostics import write_baseline_diagnostics
 from dpfy.report.pitfalls import Finding
 
 __all__ = ["AccessRun", "render_access_report", "write_access_report"]
@@ -91,11 +92,14 @@ def _accounting_lines(run: AccessRun) -> list[str]:
 
 
 def render_access_report(run: AccessRun, findings: tuple[Finding, ...]) -> str:
-    """The report card as Markdown."""
+    """The report card as Markdown: released and public facts only (design rule 19).
+
+    The test accuracy of the released model is stated; a non-private baseline, trained without
+    noise on the true private data, is not released by the mechanism and is kept in
+    ``diagnostics.md`` (:func:`write_access_report`), which the card names without its value.
+    """
     results = [f"- test accuracy: {run.accuracy:.4f}" if run.accuracy is not None else "- none"]
-    if run.baseline_accuracy is not None:
-        baseline = run.baseline_accuracy
-        results.append(f"- non-private baseline (same model, true data): {baseline:.4f}")
+    results += ["", f"*{_DIAGNOSTICS}*"]
     unit = "example’s label" if run.access.model == "label" else "record"
     bodies = (
         [access_statement(run.access)],
@@ -112,7 +116,21 @@ def render_access_report(run: AccessRun, findings: tuple[Finding, ...]) -> str:
     return render_card(f"{run.dataset}, {run.model}", bodies)
 
 
+_DIAGNOSTICS = (
+    "Un-noised diagnostics of the private data (any non-private baseline) are kept in "
+    "diagnostics.md beside this card; they are outside the DP guarantee and not part of it."
+)
+
+
 def write_access_report(run: AccessRun, findings: tuple[Finding, ...], run_dir: Path) -> Path:
-    """Write ``report.md`` and ``report.json`` (the run and its findings) into ``run_dir``."""
-    document = {**run.to_dict(), "pitfalls": [f.to_dict() for f in findings]}
+    """Write ``report.md`` and ``report.json`` (the run and its findings) into ``run_dir``.
+
+    The non-private baseline's accuracy goes to ``diagnostics.md`` / ``diagnostics.json``
+    instead, marked not for publication.
+    """
+    published = {k: v for k, v in run.to_dict().items() if k != "baseline_accuracy"}
+    document = {**published, "pitfalls": [f.to_dict() for f in findings]}
+    write_baseline_diagnostics(
+        run_dir, f"{run.dataset}, {run.model}", run.baseline_accuracy, "the test split"
+    )
     return write_card(run_dir, document, render_access_report(run, findings))

@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 
 TUNING = "tuning"
 _ACCOUNTANTS = {"pld": "privacy-loss distribution (PLD)", "rdp": "Rényi DP (RDP)"}
+#: What a known ledger label other than training and tuning is, said beside its ε.
+OTHER_RELEASES = {
+    "untuned-default": (
+        "a second model, the untuned default configuration, trained on the same private data "
+        "for comparison (dpfy tune --compare-default)"
+    ),
+}
 
 
 def _render_accounting(data: dict[str, Any]) -> list[str]:
@@ -170,7 +177,8 @@ def _render_epsilon(data: dict[str, Any]) -> list[str]:
     lines.append(f"- training: ε = {show_epsilon(data['training'])} at δ = {delta:g}{caveat}")
     lines.append(f"- tuning: {data['tuning_statement']}")
     for label, value in data["other"].items():
-        lines.append(f"- {label}: ε = {show_epsilon(value)} at δ = {delta:g}")
+        what = f" — {OTHER_RELEASES[label]}" if label in OTHER_RELEASES else ""
+        lines.append(f"- {label}: ε = {show_epsilon(value)} at δ = {delta:g}{what}")
     lines.append(
         f"- **total: ε = {show_epsilon(data['total'])} at δ = {delta:g}** ({data['accountant']})"
         f"{caveat}"
@@ -286,4 +294,4 @@ def epsilon_table(facts: RunFacts, findings: tuple[Finding, ...], words: Wording
 
 SECTIONS = (accounting, assumptions, epsilon, epsilon_table)
 
-__all__ = ["SECTIONS", "TUNING"]
+__all__ = ["OTHER_RELEASES", "SECTIONS", "TUNING"]

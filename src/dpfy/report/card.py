@@ -3,14 +3,20 @@
 :func:`build_report` turns :class:`~dpfy.report.facts.RunFacts` into a :class:`ReportCard`;
 nothing in it is typed by hand. The run's wording is looked up once from its privacy plan, each
 section is built by one declared function, and the Markdown is rendered from the same JSON the
-card exports, so the two never disagree. Diagnostics (accuracy, gradient-norm statistics) are
-computed without noise and are marked as not private; ``diagnostics=False`` drops them for
-publication.
+card exports, so the two never disagree.
 
-JSON schema (``ReportCard.to_json()``; keys are stable, version 1; ε values are numbers, or the
+The card is what a user publishes, so it holds only what the mechanism released and public facts
+(design rule 19): the plan and hyperparameters, the ledger's ε, the model's counts, declared
+facts (dataset name and size, preprocessing, what is released), the software, the released
+model's held-out test accuracy and the pitfalls found from those. Un-noised statistics of the
+private data — per-example gradient norms, a non-private baseline, the checks that read them —
+are :mod:`dpfy.report.diagnostics`'s, in a file marked not for publication; the card says that
+file exists, never what it holds.
+
+JSON schema (``ReportCard.to_json()``; keys are stable, version 2; ε values are numbers, or the
 strings "inf"/"nan" when unbounded, or null where not applicable)::
 
-    format: "dpfy.report.render", version: 1
+    format: "dpfy.report.render", version: 2
     title: str                                      "Privacy report: MODEL on DATASET"
     headline: str                                   one-paragraph claim, honest about assumptions
     dp_setting:      {model: "central", curator: "trusted", statement}                   §3.1
@@ -41,11 +47,15 @@ strings "inf"/"nan" when unbounded, or null where not applicable)::
                       microbatch_size, loss_reduction, sampler,
                       unit, examples, max_examples_per_user (user-level runs only)}      §5.4.1
     software:        {python, dpfy, "dpfy commit", torch, numpy, scipy, matplotlib}     §5.3.3
-    pitfalls:        [{code, severity, title, evidence, fix, guide_section}]             §5.4–5.5
+    pitfalls:        [{code, severity, title, evidence, fix, guide_section}]  (detectors
+                      that read released or public facts only)                           §5.4–5.5
     run:             {dataset: {name, size, source, preprocessing: [...]},
                       model: {name, parameters, trainable, frozen}}
-    diagnostics:     {not_private: str, accuracy, baseline_accuracy, evaluated_on,
-                      grad_norms: {...} | null, clipped}   — only with ``diagnostics=True``
+    results:         {accuracy, evaluated_on, statement, diagnostics}  (the released model's
+                      held-out accuracy; ``diagnostics`` names the diagnostics file)
+
+Version 2 moved version 1's ``diagnostics`` section (gradient-norm statistics, the non-private
+baseline's accuracy) off the card into the diagnostics file, and added ``results``.
 """
 
 from __future__ import annotations
@@ -62,9 +72,9 @@ from dpfy.report.sections import Section, show_epsilon
 from dpfy.report.wording import wording_for
 
 REPORT_FORMAT = "dpfy.report.render"
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 
-#: Every section in the order of the guide's §5.3.3 list, then pitfalls, the run, diagnostics.
+#: Every section in the order of the guide's §5.3.3 list, then pitfalls, the run, its results.
 SECTIONS: dict[str, Section] = {
     spec.key: spec
     for spec in (
@@ -113,37 +123,34 @@ class ReportCard:
     sections: dict[str, Any]
     findings: tuple[Finding, ...]
 
-    def to_json(self, *, diagnostics: bool = True) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """The stable JSON form (schema in the module docstring)."""
-        body = {
-            key: value
-            for key, value in self.sections.items()
-            if diagnostics or not SECTIONS[key].diagnostic
-        }
         return json_safe(
             {
                 "format": REPORT_FORMAT,
                 "version": REPORT_VERSION,
                 "title": self.title,
                 "headline": self.headline,
-                **body,
+                **self.sections,
             }
         )
 
-    def to_markdown(self, *, diagnostics: bool = True) -> str:
-        """A human-readable report; ``diagnostics=False`` leaves out the non-private figures."""
+    def to_markdown(self) -> str:
+        """A human-readable report, rendered from the same data as :meth:`to_json`."""
         lines = [f"# {self.title}", "", self.headline]
         for key, value in self.sections.items():
             spec = SECTIONS[key]
-            if spec.diagnostic and not diagnostics:
-                continue
             lines += ["", f"## {spec.title}", "", *spec.render(value)]
         return "\n".join(lines) + "\n"
 
 
 def build_report(facts: RunFacts) -> ReportCard:
-    """The report card of a run, derived entirely from its facts and the pitfall detectors."""
-    findings = find_pitfalls(facts)
+    """The report card of a run, derived entirely from its facts and the pitfall detectors.
+
+    Only the detectors that read released or public facts run: a finding drawn from un-noised
+    statistics of the private data would carry them onto the card.
+    """
+    findings = find_pitfalls(facts, diagnostics=False)
     words = wording_for(facts.privacy)
     return ReportCard(
         title=f"Privacy report: {facts.model.name} on {facts.dataset.name}",

@@ -5,7 +5,9 @@ Each detector is one small function registered with :func:`detector`; it reads a
 evidence from the facts and the fix. :func:`find_pitfalls` runs them all; the report lists what
 they find. Model checks that need the live model (batch-coupled or sparse layers,
 :mod:`dpfy.train.checks`) are run when the facts are collected and read back here, so a saved run
-is checked without torch. Mode-dependent phrases come from :mod:`dpfy.report.wording`.
+is checked without torch. Mode-dependent phrases come from :mod:`dpfy.report.wording`. A
+detector that reads un-noised statistics of the private data (the clip-norm check) is registered
+with ``reads_diagnostics=True``: its findings go to the diagnostics file, not the card.
 
 Severities: ``error`` — the stated guarantee is not established as reported; ``warning`` — the
 guarantee holds but utility or comparability suffers; ``info`` — a fact a reader must know.
@@ -70,23 +72,47 @@ class Finding:
 
 Detector = Callable[[RunFacts], Iterable[Finding]]
 DETECTORS: dict[str, Detector] = {}
+#: The detectors that read un-noised statistics of the private data (the gradient norms). What
+#: they find is itself such a statistic ("C is 20× the median norm"), so their findings go to the
+#: diagnostics file, never to the card meant for publication (design rule 19).
+READS_DIAGNOSTICS: set[str] = set()
 
 
-def detector(code: str) -> Callable[[Detector], Detector]:
-    """Register a detector by name (its findings carry their own, possibly finer, codes)."""
+def detector(code: str, *, reads_diagnostics: bool = False) -> Callable[[Detector], Detector]:
+    """Register a detector by name (its findings carry their own, possibly finer, codes).
+
+    ``reads_diagnostics``: the detector reads un-noised statistics of the private data, so its
+    findings are reported in the diagnostics file only.
+    """
 
     def register(function: Detector) -> Detector:
         if code in DETECTORS:
             raise ValueError(f"a pitfall detector is already registered as {code!r}")
         DETECTORS[code] = function
+        if reads_diagnostics:
+            READS_DIAGNOSTICS.add(code)
         return function
 
     return register
 
 
-def find_pitfalls(facts: RunFacts) -> tuple[Finding, ...]:
-    """Every finding of every registered detector, errors first."""
-    found = [finding for check in DETECTORS.values() for finding in check(facts)]
+def find_pitfalls(facts: RunFacts, *, diagnostics: bool = True) -> tuple[Finding, ...]:
+    """Every finding of every registered detector, errors first.
+
+    ``diagnostics=False`` runs only the detectors that read released or public facts: what the
+    card meant for publication may state. The run's own terminal output shows them all.
+    """
+    checks = [
+        check for code, check in DETECTORS.items() if diagnostics or code not in READS_DIAGNOSTICS
+    ]
+    found = [finding for check in checks for finding in check(facts)]
+    return tuple(sorted(found, key=lambda f: (f.severity.rank, f.code)))
+
+
+def diagnostic_pitfalls(facts: RunFacts) -> tuple[Finding, ...]:
+    """The findings of the detectors that read un-noised diagnostics: the diagnostics file's."""
+    checks = [check for code, check in DETECTORS.items() if code in READS_DIAGNOSTICS]
+    found = [finding for check in checks for finding in check(facts)]
     return tuple(sorted(found, key=lambda f: (f.severity.rank, f.code)))
 
 
@@ -291,9 +317,12 @@ def sparse_gradients(facts: RunFacts) -> Iterator[Finding]:
         )
 
 
-@detector("clip-norm-mismatch")
+@detector("clip-norm-mismatch", reads_diagnostics=True)
 def clip_norm_mismatch(facts: RunFacts) -> Iterator[Finding]:
-    """C far above the typical norm lets noise swamp the signal; far below loses information."""
+    """C far above the typical norm lets noise swamp the signal; far below loses information.
+
+    It reads the un-noised gradient-norm statistics, so it reports in the diagnostics file only.
+    """
     stats = facts.grad_norms
     if stats is None or stats.median <= 0:
         return
@@ -372,8 +401,10 @@ __all__ = [
     "CLIP_TOO_LARGE",
     "CLIP_TOO_SMALL",
     "DETECTORS",
+    "READS_DIAGNOSTICS",
     "Finding",
     "Severity",
     "detector",
+    "diagnostic_pitfalls",
     "find_pitfalls",
 ]

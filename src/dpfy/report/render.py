@@ -1,9 +1,13 @@
 """The report card as text and files: Markdown or JSON, and a run directory that renders again.
 
-:func:`write_report` writes ``facts.json`` beside ``report.md``, ``report.json`` and the PNG
-plots; :func:`render_run` (what ``dpfy report RUN_DIR`` prints) re-renders from the facts file
-alone. A re-rendered report recomputes ε from the stored events and never trusts a stored
-number, so an edited file is refused, not printed. The card itself is :mod:`dpfy.report.card`.
+:func:`write_report` writes ``facts.json`` (the run's own record) beside the card meant for
+publication (``report.md``, ``report.json``, ``epsilon.png``, ``training.png``) and the run's
+un-noised diagnostics of the private data, marked not for publication (``diagnostics.md``,
+``diagnostics.json``, ``diagnostics.png``; design rule 19). :func:`render_run` (what ``dpfy
+report RUN_DIR`` prints) re-renders either from the facts file alone. A re-rendered report
+recomputes ε from the stored events and never trusts a stored number, so an edited file is
+refused, not printed. The card itself is :mod:`dpfy.report.card`; the diagnostics
+:mod:`dpfy.report.diagnostics`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from dpfy.report.card import REPORT_FORMAT, REPORT_VERSION, SECTIONS, ReportCard, build_report
+from dpfy.report.diagnostics import (
+    DIAGNOSTICS_JSON,
+    DIAGNOSTICS_MARKDOWN,
+    DIAGNOSTICS_PLOT,
+    render_diagnostics,
+)
 from dpfy.report.facts import RunFacts
 from dpfy.report.sections import Section
 
@@ -39,14 +49,21 @@ def render(facts: RunFacts, fmt: str = "md") -> str:
     return FORMATS[fmt](build_report(facts))
 
 
-def render_run(run_dir: str | os.PathLike[str], fmt: str = "md") -> str:
+def render_run(
+    run_dir: str | os.PathLike[str], fmt: str = "md", *, diagnostics: bool = False
+) -> str:
     """Re-render the report of a saved run from its facts file (what ``dpfy report`` prints).
 
-    A re-rendered report recomputes ε from the stored events and never trusts a stored number:
-    :meth:`RunFacts.load` rebuilds the ledger and refuses, with one ValueError naming the file,
-    the field and the fix, any file whose figures the recomputation does not bear out.
+    ``diagnostics=True`` renders the run's diagnostics file instead of its card: un-noised
+    statistics of the private data, not for publication. A re-rendered report recomputes ε from
+    the stored events and never trusts a stored number: :meth:`RunFacts.load` rebuilds the ledger
+    and refuses, with one ValueError naming the file, the field and the fix, any file whose
+    figures the recomputation does not bear out.
     """
-    return render(RunFacts.load(Path(run_dir) / FACTS_FILE), fmt)
+    facts = RunFacts.load(Path(run_dir) / FACTS_FILE)
+    if diagnostics:
+        return render_diagnostics(facts, fmt)
+    return render(facts, fmt)
 
 
 def write_report(
@@ -56,20 +73,25 @@ def write_report(
     history: Sequence[Mapping[str, Any]] | None = None,
     plots: bool = True,
 ) -> dict[str, Path]:
-    """Write the facts, report.md, report.json and the PNG plots into ``run_dir``.
+    """Write the facts, the card and its plots, and the diagnostics into ``run_dir``.
 
-    Returns the written paths by name. The training plot needs the trainer's ``history``; it
-    draws the facts' non-private baseline accuracy, when the trainer ran one, as a reference.
+    The card meant for publication is ``report.md``, ``report.json``, ``epsilon.png`` and, with
+    the trainer's ``history``, ``training.png`` (released test metrics and ε only). The
+    diagnostics, not for publication, are ``diagnostics.md``, ``diagnostics.json`` and, with a
+    history, ``diagnostics.png`` (the curves on the private training data, and the facts'
+    non-private baseline accuracy when the trainer ran one). Returns the written paths by name.
     """
     target = Path(run_dir)
     target.mkdir(parents=True, exist_ok=True)
     written = {"facts": facts.save(target / FACTS_FILE)}
-    for name, (fmt, filename) in {
-        "markdown": ("md", REPORT_MARKDOWN),
-        "json": ("json", REPORT_JSON),
-    }.items():
+    for name, filename, text in (
+        ("markdown", REPORT_MARKDOWN, render(facts, "md")),
+        ("json", REPORT_JSON, render(facts, "json")),
+        ("diagnostics_markdown", DIAGNOSTICS_MARKDOWN, render_diagnostics(facts, "md")),
+        ("diagnostics_json", DIAGNOSTICS_JSON, render_diagnostics(facts, "json")),
+    ):
         written[name] = target / filename
-        written[name].write_text(render(facts, fmt), encoding="utf-8")
+        written[name].write_text(text, encoding="utf-8")
     if plots:
         from dpfy.report.plots import plot_epsilon_curve
         from dpfy.report.training_plot import plot_training_curves
@@ -79,12 +101,17 @@ def write_report(
             plot_epsilon_curve(facts, written["epsilon_plot"])
         if history:
             written["training_plot"] = target / TRAINING_PLOT
+            plot_training_curves(history, written["training_plot"], private_curves=False)
+            written["diagnostics_plot"] = target / DIAGNOSTICS_PLOT
             baseline = facts.results.baseline_accuracy
-            plot_training_curves(history, written["training_plot"], baseline_accuracy=baseline)
+            plot_training_curves(history, written["diagnostics_plot"], baseline_accuracy=baseline)
     return written
 
 
 __all__ = [
+    "DIAGNOSTICS_JSON",
+    "DIAGNOSTICS_MARKDOWN",
+    "DIAGNOSTICS_PLOT",
     "EPSILON_PLOT",
     "FACTS_FILE",
     "FORMATS",

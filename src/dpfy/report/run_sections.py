@@ -1,5 +1,9 @@
-"""Report items 8–9 (guide §5.3.3) and the rest: hyperparameters, software, pitfalls, the run,
-and the diagnostics that are not private.
+"""Report items 8–9 (guide §5.3.3) and the rest: hyperparameters, software, pitfalls, the run
+and its released results.
+
+Nothing here states an un-noised statistic of the private data (design rule 19): the pitfalls
+are those of the detectors that read released or public facts, and the results are the released
+model's held-out accuracy; the rest is :mod:`dpfy.report.diagnostics`'s file.
 """
 
 from __future__ import annotations
@@ -84,10 +88,12 @@ def software(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -> 
 
 
 def _render_pitfalls(data: list[dict[str, str]]) -> list[str]:
-    """Each finding with severity, evidence and fix; a plain line when there are none."""
-    if not data:
-        return ["No pitfalls found by dpfy's detectors."]
-    lines = []
+    """Each finding with severity, evidence and fix; a plain line when there are none.
+
+    The same closing line always follows: the checks that read un-noised diagnostics report in
+    the diagnostics file, whether or not they found anything.
+    """
+    lines = [] if data else ["No pitfalls found by dpfy's detectors."]
     for f in data:
         lines += [
             f"- **[{f['severity'].upper()}] {f['title']}** "
@@ -95,14 +101,20 @@ def _render_pitfalls(data: list[dict[str, str]]) -> list[str]:
             f"  - Evidence: {f['evidence']}",
             f"  - Fix: {f['fix']}",
         ]
-    return lines
+    return [*lines, "", _DIAGNOSTIC_CHECKS]
+
+
+_DIAGNOSTIC_CHECKS = (
+    "Checks that read un-noised statistics of the private data (the clip norm against the "
+    "per-example gradient norms) report in diagnostics.md, not on this card."
+)
 
 
 @section("pitfalls", "Pitfalls", _render_pitfalls)
 def pitfalls(
     facts: RunFacts, findings: tuple[Finding, ...], words: Wording
 ) -> list[dict[str, str]]:
-    """What the registered detectors found (guide §5.4–§5.5, tab. 5)."""
+    """What the detectors that read released or public facts found (guide §5.4–§5.5, tab. 5)."""
     return [f.to_dict() for f in findings]
 
 
@@ -146,49 +158,51 @@ def run(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -> dict[
     }
 
 
-_NOT_PRIVATE = (
-    "These figures are computed from data without noise and are NOT covered by the DP guarantee "
-    "(gradient norms come from the private training data); use them to diagnose the run and "
-    "leave them out of anything published."
+#: What the card says about the diagnostics file: always the same words, never its values, so
+#: the card tells nothing about the private data through it.
+DIAGNOSTICS_NOTE = (
+    "Un-noised diagnostics of the private training data — per-example gradient norms before "
+    "clipping and the clip-norm check that reads them, any non-private baseline, the loss and "
+    "accuracy measured on private training batches — are kept in diagnostics.md and "
+    "diagnostics.json beside this card (and in facts.json, the run's own record). They are "
+    "outside the DP guarantee and are not part of this card: keep them with the private data."
 )
 
 
-def _render_diagnostics(data: dict[str, Any]) -> list[str]:
-    """Accuracy and gradient-norm statistics, with the not-private warning first."""
-    lines = [f"*{data['not_private']}*", ""]
-    on = f" on {data['evaluated_on']}" if data["evaluated_on"] else ""
-    lines.append(f"- accuracy of the private model{on}: {show_value(data['accuracy'])}")
-    lines.append(
-        f"- accuracy of the non-private baseline{on}: {show_value(data['baseline_accuracy'])}"
-    )
-    norms, clipped = data["grad_norms"], data.get("clipped", "per-example gradient")
-    if norms is None:
-        lines.append(f"- {clipped} norms: not collected")
-    else:
-        lines.append(
-            f"- {clipped} norms before clipping ({norms['count']} values): median "
-            f"{norms['median']:.4g}, 10–90% [{norms['p10']:.4g}, {norms['p90']:.4g}], max "
-            f"{norms['maximum']:.4g}; {norms['fraction_clipped']:.1%} clipped at C = "
-            f"{norms['max_grad_norm']:g}"
-        )
-    return lines
+def _render_results(data: dict[str, Any]) -> list[str]:
+    """The released model's held-out accuracy, then where the diagnostics are."""
+    return [data["statement"], "", f"*{data['diagnostics']}*"]
 
 
-@section("diagnostics", "Diagnostics (not differentially private)", _render_diagnostics,
-         diagnostic=True)  # fmt: skip
-def diagnostics(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -> dict[str, Any]:
-    """Accuracy and gradient-norm statistics for the engineer, marked as not private."""
+@section("results", "Results", _render_results)
+def results(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -> dict[str, Any]:
+    """The released model's accuracy on held-out data; nothing measured on the private data.
+
+    Why this figure may be published: the model is released (post-processing of the DP
+    outputs), and its accuracy is measured on a held-out test split, not on the training data the
+    guarantee protects; stating it beside (ε, δ) is how DP results are customarily reported. It
+    is a statistic of the test split, which the guarantee does not cover: the test data must not
+    be private, or it needs its own accounting. A non-private baseline, trained without noise on
+    the private data, is not released by the mechanism; it is in the diagnostics file.
+    """
     r = facts.results
+    on = r.evaluated_on or "the held-out test split"
+    if r.accuracy is None:
+        statement = "No test accuracy was recorded for the released model."
+    else:
+        statement = (
+            f"Test accuracy of the released model: {show_value(r.accuracy)}, measured on {on} "
+            "(held out from the private training data; the guarantee covers the training data, "
+            "not the test split)."
+        )
     return {
-        "not_private": _NOT_PRIVATE,
         "accuracy": r.accuracy,
-        "baseline_accuracy": r.baseline_accuracy,
-        "evaluated_on": r.evaluated_on,
-        "grad_norms": None if facts.grad_norms is None else asdict(facts.grad_norms),
-        "clipped": f"per-{facts.privacy.clipping_unit} {words.algorithm.clipped}",
+        "evaluated_on": on,
+        "statement": statement,
+        "diagnostics": DIAGNOSTICS_NOTE,
     }
 
 
-SECTIONS = (hyperparameters, software, pitfalls, run, diagnostics)
+SECTIONS = (hyperparameters, software, pitfalls, run, results)
 
-__all__ = ["SECTIONS"]
+__all__ = ["DIAGNOSTICS_NOTE", "SECTIONS"]

@@ -2,9 +2,11 @@
 
 A section is a JSON key, a Markdown heading, a builder (facts, pitfall findings and the run's
 wording → JSON-ready data) and a renderer (that data → Markdown lines), so the Markdown is
-rendered from the same JSON the card exports and the two never disagree. The sections of the
-§5.3.3 list live in :mod:`~dpfy.report.setting_sections`,
-:mod:`~dpfy.report.accounting_sections` and :mod:`~dpfy.report.run_sections`.
+rendered from the same JSON the card exports and the two never disagree. Every section states
+only what the mechanism released and public facts (design rule 19); the un-noised diagnostics of
+the private data are :mod:`~dpfy.report.diagnostics`'s. The sections of the §5.3.3 list live in
+:mod:`~dpfy.report.setting_sections`, :mod:`~dpfy.report.accounting_sections` and
+:mod:`~dpfy.report.run_sections`.
 """
 
 from __future__ import annotations
@@ -31,16 +33,13 @@ class Section:
     title: str
     build: SectionBuilder
     render: SectionRenderer
-    diagnostic: bool = False
 
 
-def section(
-    key: str, title: str, render: SectionRenderer, *, diagnostic: bool = False
-) -> Callable[[SectionBuilder], Section]:
+def section(key: str, title: str, render: SectionRenderer) -> Callable[[SectionBuilder], Section]:
     """Declare a section by its builder; the decorated name becomes the :class:`Section`."""
 
     def declare(build: SectionBuilder) -> Section:
-        return Section(key, title, build, render, diagnostic)
+        return Section(key, title, build, render)
 
     return declare
 

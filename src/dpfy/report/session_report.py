@@ -17,7 +17,7 @@ from dpfy.report.render import write_report
 from dpfy.train.session import PrivateTraining
 
 #: Files whose presence means ``out_dir`` already holds a report: never overwritten silently.
-_REPORT_FILES = ("facts.json", "report.md", "report.json")
+_REPORT_FILES = ("facts.json", "report.md", "report.json", "diagnostics.md", "diagnostics.json")
 
 
 def write_session_report(
@@ -36,7 +36,11 @@ def write_session_report(
     overwrite: bool = False,
     plots: bool = True,
 ) -> dict[str, Path]:
-    """Write report.md, report.json, facts.json and the plots of ``training`` into ``out_dir``.
+    """Write report.md, report.json, facts.json, the diagnostics and the plots into ``out_dir``.
+
+    ``report.md`` / ``report.json`` are the card to publish; ``baseline_accuracy`` (a model
+    trained without noise on the private data) goes to ``diagnostics.md`` / ``diagnostics.json``
+    with the other un-noised statistics of the private data, which are not for publication.
 
     Names default to the dataset's and model's classes. ``sequence_task`` and
     ``loss_normalisation`` (how each example's loss combines its tokens, e.g. 'per-token-mean')

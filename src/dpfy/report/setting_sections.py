@@ -32,7 +32,8 @@ def dp_setting(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -
             f" Training ran in {ranks} processes (torch.distributed): each Poisson-sampled its "
             "shard of the data at the same q and added an independent noise share, the shares "
             "summing to one N(0, σ²C²) on the all-reduced sum; the processes and the channel "
-            "between them are trusted. Diagnostics below cover rank 0's shard only."
+            "between them are trusted. The un-noised diagnostics (diagnostics.md, not part of "
+            "this card) cover rank 0's shard only."
         )
     statement += f" {access_statement(facts.access)}"
     access = facts.access.model

@@ -1,9 +1,12 @@
-"""The training plot: loss and accuracy against steps, ε spent, and the non-private baseline.
+"""The training plots: accuracy and ε against steps, and the diagnostics beside them.
 
-Curves computed on the private training data (the running train loss and accuracy) are labelled
-as not private in the legend and the title, as :mod:`dpfy.report.history` classifies them; the
-non-private baseline's test accuracy, when the trainer ran one, is a horizontal reference line.
-Legends sit outside the axes, below the plots, so no label ever covers a curve.
+A run directory holds two. ``training.png``, beside the card, draws only released figures (the
+held-out test metrics and ε spent, as :mod:`dpfy.report.history` classifies them:
+``private_curves=False``). ``diagnostics.png``, beside the diagnostics file, draws everything:
+the curves computed on the private training data (the running train loss and accuracy, labelled
+as not private in the legend and the title) and the non-private baseline's test accuracy, when
+the trainer ran one, as a horizontal reference line. Legends sit outside the axes, below the
+plots, so no label ever covers a curve.
 """
 
 from __future__ import annotations
@@ -53,21 +56,37 @@ def _check(history: Sequence[Mapping[str, Any]], baseline_accuracy: float | None
 
 
 def training_figure(
-    history: Sequence[Mapping[str, Any]], *, baseline_accuracy: float | None = None
+    history: Sequence[Mapping[str, Any]],
+    *,
+    baseline_accuracy: float | None = None,
+    private_curves: bool = True,
 ) -> tuple[Figure, TrainingCurves]:
     """Loss and accuracy (ε on a secondary axis, the baseline as a line) against steps.
 
     ``history`` is the trainer's list of dicts, each with ``step`` and any of ``loss``, keys
     containing ``accuracy`` (e.g. ``train_accuracy``, ``test_accuracy``), ``epsilon`` and
-    ``epoch``; rows may carry only some of them.
+    ``epoch``; rows may carry only some of them. ``private_curves=False`` draws only released
+    fields (the plot beside the card): no curve measured on the private data and no baseline,
+    and the loss panel only if a released loss (e.g. ``test_loss``) was recorded.
     """
     _check(history, baseline_accuracy)
-    keys = sorted({k for row in history for k in row if k == "loss" or "accuracy" in k})
+    if not private_curves and baseline_accuracy is not None:
+        raise ValueError(
+            "a non-private baseline is an un-noised diagnostic of the private data: draw it "
+            "with private_curves=True (diagnostics.png), never on the published plot"
+        )
+    keys = sorted({k for row in history for k in row if "loss" in k or "accuracy" in k})
+    if not private_curves:
+        keys = [k for k in keys if is_released(k)]
     series = {k: _series(history, k) for k in [*keys, "epsilon"]}
     labels = {k: series_label(k) for k in keys}
-    figure = Figure(figsize=(7, 6.8), layout="constrained")
-    loss_axes, acc_axes = figure.subplots(2, 1, sharex=True)
-    _draw(loss_axes, series, labels, [k for k in keys if k == "loss"], "train loss")
+    losses = [k for k in keys if "loss" in k]
+    figure = Figure(figsize=(7, 6.8 if private_curves or losses else 4.6), layout="constrained")
+    if private_curves or losses:
+        loss_axes, acc_axes = figure.subplots(2, 1, sharex=True)
+        _draw(loss_axes, series, labels, losses, "train loss" if private_curves else "loss")
+    else:
+        loss_axes = acc_axes = figure.subplots(1, 1)
     _draw(acc_axes, series, labels, [k for k in keys if "accuracy" in k], "accuracy")
     if baseline_accuracy is not None:
         labels["baseline"] = f"{BASELINE_LABEL}: test accuracy {baseline_accuracy:.3g} (not DP)"
@@ -81,11 +100,24 @@ def training_figure(
     _epoch_axis(loss_axes, history)
     acc_axes.set_xlabel("training steps")
     _legend(figure)
-    private = any(not is_released(k) and series[k] for k in keys)
-    note = f"\ncurves marked ({NOT_PRIVATE_TAG}) are for diagnosis only" if private else ""
-    figure.suptitle(f"Private training: loss and accuracy against steps{note}", fontsize=10)
+    figure.suptitle(_title(private_curves, keys, series, baseline_accuracy), fontsize=10)
     steps_drawn = tuple(int(row["step"]) for row in history)
     return figure, TrainingCurves(steps_drawn, series, labels, baseline_accuracy)
+
+
+def _title(
+    private_curves: bool, keys: Sequence[str], series: dict[str, Any], baseline: float | None
+) -> str:
+    """What the figure shows; a diagnostics figure with private curves says not to publish it."""
+    if not private_curves:
+        return "Private training: released test metrics and ε against steps"
+    private = any(not is_released(k) and series[k] for k in keys) or baseline is not None
+    if not private:
+        return "Private training: loss and accuracy against steps"
+    return (
+        "Diagnostics, NOT FOR PUBLICATION: loss and accuracy against steps\n"
+        f"curves marked ({NOT_PRIVATE_TAG}) and any baseline are outside the DP guarantee"
+    )
 
 
 def plot_training_curves(
@@ -93,9 +125,12 @@ def plot_training_curves(
     path: str | os.PathLike[str],
     *,
     baseline_accuracy: float | None = None,
+    private_curves: bool = True,
 ) -> TrainingCurves:
     """Write :func:`training_figure` as a PNG to ``path``; return what was drawn."""
-    figure, curves = training_figure(history, baseline_accuracy=baseline_accuracy)
+    figure, curves = training_figure(
+        history, baseline_accuracy=baseline_accuracy, private_curves=private_curves
+    )
     save_png(figure, path)
     return curves
 

@@ -44,7 +44,10 @@ class TuneConfig:
     selection_epsilon: float | None = None
     public_data: str | None = None
     public_fraction: float = 0.3
-    compare_default: bool = True
+    #: Also train the untuned default at the whole budget on the same private data, for
+    #: comparison. Off by default: it is a second model trained on the private data, so when on,
+    #: its ε is composed into the final run's ledger and the total printed beside its accuracy.
+    compare_default: bool = False
     out: Path | None = None
     seed: int | None = None  # private randomness; None: OS entropy (run_config.public_seed)
     data_dir: Path | None = None

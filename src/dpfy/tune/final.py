@@ -13,6 +13,7 @@ ledger, the report's own source, at the end.
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from rich.console import Console
 
 from dpfy.data.datasets import LoadedDataset
 from dpfy.jobs.train import accuracy, fresh_model, train_private
-from dpfy.plan.accounting.events import dpsgd_event
+from dpfy.plan.accounting.events import DpEvent, dpsgd_event
 from dpfy.report.facts import ResultFacts, collect_facts, record_clip_norms
 from dpfy.report.render import write_report
 from dpfy.report.run_parts import PublicInput
@@ -54,11 +55,16 @@ def train_final(
     total_budget: float | None = None,
     public_inputs: tuple[PublicInput, ...] = (),
     grid_edges: tuple[str, ...] = (),
+    other_releases: Mapping[str, DpEvent] | None = None,
 ) -> dict[str, Any]:
     """Train ``config`` at ``target_epsilon``; record ``tuning`` in its ledger; maybe report.
 
     ``total_budget`` (training and tuning together) is checked before the first step and after
-    the tuning event is recorded.
+    the tuning event is recorded. ``other_releases`` are further models trained on the same
+    private data (label → their ledger's event, e.g. the untuned default run): each joins this
+    ledger under its label after that check, so the report's total and the returned ``epsilon``
+    compose them with training and tuning — beyond the budget, and saying so; the returned
+    ``budgeted_epsilon`` is training and tuning composed, the part the budget covers.
     """
     model, optimizer = fresh_model(config, data)
     private = make_private(
@@ -96,6 +102,11 @@ def train_final(
     epsilons = private.ledger.epsilon_by_label()
     if total_budget is not None:
         _check_total(epsilons["total"], total_budget, "after training")
+    budgeted = epsilons["total"]  # training and tuning: what the budget covers
+    for label, event in (other_releases or {}).items():
+        private.ledger.record_event(event, label=label)
+    if other_releases:
+        epsilons = private.ledger.epsilon_by_label()
     result: dict[str, Any] = {
         "max_grad_norm": config.max_grad_norm,
         "lr": config.lr,
@@ -104,6 +115,7 @@ def train_final(
         "test_accuracy": test_accuracy,
         "accountant": accountant,
         "epsilon": epsilons,
+        "budgeted_epsilon": budgeted,
         "delta": delta,
     }
     if run_dir is not None:
@@ -124,6 +136,7 @@ def train_final(
         )
         written = write_report(facts, run_dir, history=history)
         result["report"] = str(written["markdown"])
+    result["events"] = private.ledger.events()  # everything it spent, for another ledger
     private.detach()
     return result
 
