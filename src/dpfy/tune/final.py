@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from torch import nn
 
 from dpfy.data.datasets import LoadedDataset
 from dpfy.jobs.train import accuracy, fresh_model, train_private
@@ -78,6 +79,7 @@ def train_final(
         max_grad_norm=config.max_grad_norm,
         accountant=accountant,
         seed=config.seed,
+        criterion=nn.CrossEntropyLoss(),  # the loop calls private.criterion: the loss is probed
     )
     tuning_event = tuning.event if tuning is not None and tuning.method.private else None
     if total_budget is not None:
