@@ -8,6 +8,7 @@ is applied, naming the source and the fix. Per-example code (dropout included) m
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -420,3 +421,34 @@ def test_a_coupled_model_is_refused_with_virtual_batches_and_per_user() -> None:
             private.optimizer.zero_grad()
             _ce(private.model(x), y).backward()
             private.optimizer.step()
+
+
+# -- what the card says -------------------------------------------------------------------------
+def _card(private, tmp_path) -> tuple[dict, str]:
+    private.report(tmp_path, dataset="synthetic", overwrite=True)
+    data = json.loads((tmp_path / "report.json").read_text())
+    return data, (tmp_path / "report.md").read_text()
+
+
+def test_the_card_says_which_checks_ran_and_warns_of_the_unchecked_loss(tmp_path) -> None:
+    private = _private(_mlp(), _data())
+    _one_step(private, _ce)
+    data, md = _card(private, tmp_path)
+    section = data["behaviour_checks"]
+    assert section["checks"]["model"]["status"] == "passed"
+    assert section["checks"]["loss"]["status"] == "not run" and section["gaps"] == ["loss"]
+    assert "Behaviour checks of the run's own code" in md
+    codes = {p["code"]: p["severity"] for p in data["pitfalls"]}
+    assert codes.get("behaviour-checks-incomplete") == "warning"
+
+
+def test_a_refused_coupling_is_an_error_on_the_card_without_the_private_values(tmp_path) -> None:
+    private = _private(_mlp(Centre()), _data(), criterion=nn.CrossEntropyLoss())
+    with pytest.raises(ExamplesCoupled) as err:
+        _one_step(private, private.criterion)
+    data, md = _card(private, tmp_path)
+    model = data["behaviour_checks"]["checks"]["model"]
+    assert model["status"] == "refused" and model["detail"] == "examples coupled in '1' (Centre)"
+    assert "moved by" in str(err.value) and "moved by" not in md  # values stay off the card
+    codes = {p["code"]: p["severity"] for p in data["pitfalls"]}
+    assert codes.get("examples-coupled") == "error"

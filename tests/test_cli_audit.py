@@ -143,13 +143,15 @@ CHECKS = {
 
 
 def _copy_run(trained: Path, tmp_path: Path, checks: dict | None) -> Path:
-    """A copy of the trained run (its own audits), with ``checks`` written into its facts.json."""
+    """A copy of the trained run (its own audits), with ``checks`` written into its facts.json.
+
+    None stands for a run from before behaviour checks: the record is removed.
+    """
     run = tmp_path / "run"
     shutil.copytree(trained, run)
-    if checks is not None:
-        facts = json.loads((run / "facts.json").read_text())
-        facts["behaviour_checks"] = checks
-        (run / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
+    facts = json.loads((run / "facts.json").read_text())
+    facts["behaviour_checks"] = checks
+    (run / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
     return run
 
 

@@ -440,6 +440,7 @@ SCHEMA_KEYS = {
     "epsilon",
     "epsilon_table",
     "empirical_audit",
+    "behaviour_checks",
     "hyperparameters",
     "software",
     "pitfalls",

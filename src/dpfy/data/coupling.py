@@ -24,17 +24,22 @@ class CheckTally:
     name: str
     probes: int = 0
     problem: str | None = None
+    where: str | None = None
     skipped: str | None = None
 
     def passed(self) -> None:
         """One probe found each example's contribution independent of the others."""
         self.probes += 1
 
-    def found(self, problem: str) -> None:
-        """One probe found a coupling (kept: the first is what the refusal names)."""
+    def found(self, problem: str, where: str) -> None:
+        """One probe found a coupling ``where`` (kept: the first is what the refusal names).
+
+        ``problem`` is the refusal's full text (it quotes values of the private batch);
+        ``where`` names only the code (the collate_fn, a module, the loss), for the card.
+        """
         self.probes += 1
         if self.problem is None:
-            self.problem = problem
+            self.problem, self.where = problem, where
 
     def skip(self, why: str) -> None:
         """The probe could not run on this batch (the first reason is kept for the card)."""
@@ -42,9 +47,13 @@ class CheckTally:
             self.skipped = why
 
     def summary(self) -> dict[str, object]:
-        """Status (passed / refused / not run), probe count and a detail line for the card."""
+        """Status (passed / refused / not run), probe count and a detail line for the card.
+
+        The detail names code and reasons only, never a value of the private data.
+        """
         if self.problem is not None:
-            return {"status": "refused", "probes": self.probes, "detail": self.problem}
+            detail = f"examples coupled in {self.where}"
+            return {"status": "refused", "probes": self.probes, "detail": detail}
         if self.probes:
             return {"status": "passed", "probes": self.probes, "detail": self.skipped or ""}
         return {"status": "not run", "probes": 0, "detail": self.skipped or "no batch was probed"}

@@ -42,6 +42,9 @@ strings "inf"/"nan" when unbounded, or null where not applicable)::
                       claimed_epsilon, canaries, runs, guesses, correct, seconds, notes,
                       method_description, threat_model_description, exceeds_claim,
                       statement}], any_exceeds_claim, statement}
+    behaviour_checks: {checks: {collate|model|loss|state: {status, probes, detail,
+                      schedule}} | null, verifies, gaps: [str], lines: [str], statement}
+                      (what the run's own code was observed to do)                    §5.5.1
     hyperparameters: {dataset_size, sampling_rate, expected_batch_size, noise_multiplier,
                       max_grad_norm, steps, epochs, optimizer, learning_rate,
                       microbatch_size, loss_reduction, sampler,
@@ -63,7 +66,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpfy.report import accounting_sections, audit_sections, run_sections, setting_sections
+from dpfy.report import (
+    accounting_sections,
+    audit_sections,
+    behaviour_sections,
+    run_sections,
+    setting_sections,
+)
 from dpfy.report.facts import RunFacts
 from dpfy.report.json_codec import json_safe
 from dpfy.report.pitfalls import Finding, Severity, find_pitfalls
@@ -81,6 +90,7 @@ SECTIONS: dict[str, Section] = {
         *setting_sections.SECTIONS,
         *accounting_sections.SECTIONS,
         *audit_sections.SECTIONS,
+        *behaviour_sections.SECTIONS,
         *run_sections.SECTIONS,
     )
 }

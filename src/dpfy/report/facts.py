@@ -34,6 +34,7 @@ from dpfy._validate import (
     check_sampling_rate,
 )
 from dpfy.audit.result import AuditResult
+from dpfy.audit.scope import check_behaviour_checks
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.report.access_facts import AccessFacts
 from dpfy.report.accounting import (
@@ -95,6 +96,9 @@ class RunFacts:
     public_inputs: tuple[PublicInput, ...] = ()  # pretrained weights, tokenizer: not private
     audits: tuple[AuditResult, ...] = ()  # empirical ε̂ beside the claim (dpfy audit)
     access: AccessFacts = field(default_factory=AccessFacts)  # guide §3.2: what ε protects
+    #: What the run's own code was observed to do (collate, model, loss probed for coupled
+    #: examples; state watched for writes outside the step): check → status, probes, detail.
+    behaviour_checks: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Versioned plain-JSON dict (non-finite floats as 'inf'/'-inf'/'nan')."""
@@ -132,6 +136,7 @@ class RunFacts:
                 "public_inputs": tuple_of(PublicInput, "public_inputs"),
                 "audits": tuple_of(AuditResult, "audits", AuditResult.from_dict),
                 "access": AccessFacts.from_dict,
+                "behaviour_checks": optional(check_behaviour_checks),
             },
         )
         _check_inputs(facts)
@@ -317,6 +322,7 @@ def collect_facts(
         lr = wrapped.param_groups[0].get("lr")  # None, not NaN: a saved file holds no NaN
         learning_rate = None if lr is None else float(lr)
     steps_taken = training.ledger.steps
+    behaviour = getattr(training.optimizer, "behaviour", None)
     return RunFacts(
         dataset=DatasetFacts(
             dataset_name,
@@ -342,6 +348,7 @@ def collect_facts(
         results=results or ResultFacts(),
         grad_norms=grad_norms,
         public_inputs=tuple(public_inputs),
+        behaviour_checks=None if behaviour is None else behaviour.summary(),
     )
 
 

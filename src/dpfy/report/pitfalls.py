@@ -271,6 +271,40 @@ def sequence_loss_not_normalised(facts: RunFacts) -> Iterator[Finding]:
         )
 
 
+@detector("behaviour-checks")
+def behaviour_checks(facts: RunFacts) -> Iterator[Finding]:
+    """The run's own code coupled examples (an error), or was not fully probed (a warning)."""
+    checks = facts.behaviour_checks
+    if checks is None:
+        return
+    refused = {n: c for n, c in checks.items() if c.get("status") == "refused"}
+    if refused:
+        named = "; ".join(f"{name}: {c.get('detail', '')}" for name, c in refused.items())
+        yield Finding(
+            "examples-coupled",
+            Severity.ERROR,
+            "The run's own code made examples depend on each other",
+            f"a behaviour check refused a step: {named}. Clipping then does not bound one "
+            "example's influence, so the stated ε does not hold for such steps.",
+            "make the collate_fn, model and loss per-example (GroupNorm/LayerNorm, a loss with "
+            "reduction='sum' or a per-example mean, statistics from public data), then train "
+            "again from a checkpoint taken before the refusal.",
+            "§5.5.1",
+        )
+    unverified = {n: c for n, c in checks.items() if c.get("status") == "not run"}
+    if unverified:
+        named = "; ".join(f"{name}: {c.get('detail', '')}" for name, c in unverified.items())
+        yield Finding(
+            "behaviour-checks-incomplete",
+            Severity.WARNING,
+            "Part of the run's own code was not checked for coupled examples",
+            f"not verified by behaviour: {named}.",
+            "give make_private criterion= and call private.criterion in the loop; keep the "
+            "checks' schedule on (dpfy.CheckSchedule).",
+            "§5.5.1",
+        )
+
+
 @detector("frozen-parameters")
 def frozen_parameters(facts: RunFacts) -> Iterator[Finding]:
     """Frozen parameters are released as they were before training: they must be public."""

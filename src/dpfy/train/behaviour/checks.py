@@ -107,13 +107,23 @@ class BehaviourChecks:
         if status == PASSED:
             self.collate.passed()
         elif status == COUPLED:
-            self.collate.found(detail)
+            self.collate.found(detail, "the collate_fn")
         else:
             self.collate.skip(detail)
 
     def accept_state(self) -> None:
         """The model's state is one the run accounts for: after a private update or a load."""
         self.state.record()
+
+    def _state_summary(self) -> dict[str, Any]:
+        """The state watch's record: every step checked, or the write it refused."""
+        checks = self.state.checks
+        if self._state_problem is not None:
+            detail = "a parameter or buffer changed outside the private step"
+            return {"status": "refused", "probes": checks, "detail": detail}
+        if checks == 0:
+            return {"status": "not run", "probes": 0, "detail": "no step was taken"}
+        return {"status": "passed", "probes": checks, "detail": ""}
 
     def detach(self) -> None:
         """Remove the model probe's hooks."""
@@ -122,12 +132,11 @@ class BehaviourChecks:
     def summary(self) -> dict[str, dict[str, Any]]:
         """What each check did over the run, for the report card."""
         loss = self.loss.tally if self.loss is not None else _not_given()
-        state = CheckTally("state", probes=self.state.checks, problem=self._state_problem)
         summary = {
             "collate": self.collate.summary(),
             "model": self.model.tally.summary(),
             "loss": loss.summary(),
-            "state": state.summary(),
+            "state": self._state_summary(),
         }
         for entry in summary.values():
             entry.setdefault("schedule", str(self.schedule))

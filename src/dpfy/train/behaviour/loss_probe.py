@@ -60,7 +60,7 @@ class CheckedCriterion:
         if number is not None and torch.is_grad_enabled() and self.schedule.due(number):
             problem = self._probe(output, args, kwargs)
             if problem is not None:
-                self.tally.found(problem)
+                self.tally.found(problem, "the loss")
                 self.report(number, problem)
         return self.criterion(output, *args, **kwargs)
 

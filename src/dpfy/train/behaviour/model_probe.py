@@ -95,13 +95,13 @@ class ModelProbe:
             self._busy = False
         if problem is None:
             return
-        self.tally.found(problem)
-        self.report(number, problem)
+        self.tally.found(*problem)
+        self.report(number, problem[0])
 
     def _probe(
         self, start: _Start, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> str | None:
-        """The coupling this batch shows, or None (tallied as passed or skipped)."""
+    ) -> tuple[str, str] | None:
+        """The coupling this batch shows and where, or None (tallied as passed or skipped)."""
         if _holds_packed((args, kwargs)):
             self.tally.skip("packed sequences have no batch dimension whose rows can be replaced")
             return None
@@ -121,7 +121,7 @@ class ModelProbe:
             self.tally.passed()
             return None
         where = self._localise((args, kwargs), filled, size, rows, start)
-        return (
+        message = (
             f"the model: example {int(rows[-1])}'s output changed when the other examples of its "
             f"batch were replaced ({problem}); the examples are mixed in {where}, e.g. by "
             "batch statistics (h.mean(0), h.std(0), a hand-written batch norm), a slice of the "
@@ -130,6 +130,7 @@ class ModelProbe:
             "LayerNorm instead of batch statistics, no reduction or slicing over the batch "
             "dimension"
         )
+        return message, where
 
     def _probed_rows(self, size: int) -> torch.Tensor:
         """A few rows, never the first or last (layers fed ``h[:1]`` or ``h[-1:]`` show then)."""
