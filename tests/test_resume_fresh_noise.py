@@ -336,3 +336,16 @@ def test_resume_interrupt_resume_continues_from_the_continuations_checkpoint(tmp
     facts = json.loads((out / "facts.json").read_text())
     assert facts["training"]["steps_taken"] == STEPS
     assert json.loads((out / STATUS_FILE).read_text())["status"] == "finished"
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_the_json_of_an_interrupted_run_offers_a_resume_only_when_one_is_allowed(
+    resumable, tmp_path, capsys
+):
+    from dpfy.cli.train_output import Output, print_interrupted
+    from dpfy.jobs.outcome import Interrupted
+
+    stop = Interrupted(tmp_path, 3, 10, 0.5, 1e-5, checkpointed=True, resumable=resumable)
+    print_interrupted(stop, Output.json)
+    resume = json.loads(capsys.readouterr().out)["resume"]
+    assert (resume == f"dpfy train --resume {tmp_path}") if resumable else resume is None

@@ -141,7 +141,7 @@ def print_interrupted(stop: Interrupted, output: Output) -> None:
                     "epsilon": _finite(stop.epsilon),
                     "delta": stop.delta,
                     "report": str(stop.report),
-                    "resume": f"dpfy train --resume {stop.run_dir}",
+                    "resume": f"dpfy train --resume {stop.run_dir}" if stop.resumable else None,
                 }
             )
         )
