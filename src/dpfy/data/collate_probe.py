@@ -87,16 +87,17 @@ def _collate_twice(collate: Callable[[list[Any]], Any], sample: Any) -> Any:
 
     The caller's random streams (torch, ``random``, numpy) are left as they were.
     """
-    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cpu = torch.default_generator  # the CPU stream only: torch.manual_seed also walks devices
+    saved = cpu.get_state(), random.getstate(), np.random.get_state()
     try:
         results = []
         for seed in (0x5EED, 0xD1CE):
-            torch.manual_seed(seed)
+            cpu.manual_seed(seed)
             random.seed(seed)
             np.random.seed(seed)
             results.append(collate([sample]))
     finally:
-        torch.set_rng_state(saved[0])
+        cpu.set_state(saved[0])
         random.setstate(saved[1])
         np.random.set_state(saved[2])
     return results[0] if first_difference(results[0], results[1]) is None else None

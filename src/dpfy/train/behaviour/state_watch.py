@@ -31,6 +31,14 @@ class StateWatch:
         self.model = model
         self.public = _checked_public(model, public_buffers)
         self._exempt = power_iteration_buffers(model)
+        # Each module's own parameter and buffer dicts: nn.Module makes them once and assigning,
+        # registering or loading changes their entries, never the dicts, so reading them afresh
+        # sees every tensor as it is now without walking the module tree each step.
+        self._dicts = [
+            (f"{prefix}." if prefix else "", tensors)
+            for prefix, module in model.named_modules(remove_duplicate=True)
+            for tensors in (module._parameters, module._buffers)
+        ]
         self._seen: dict[str, tuple[object, ...]] = {}
         self.checks = 0
 
@@ -61,20 +69,22 @@ class StateWatch:
 
     def _fingerprint(self) -> dict[str, tuple[object, ...]]:
         """Name → (shape, dtype, L2 norm, sum) of every watched tensor; one host read in all."""
-        named = [
-            (name, tensor)
-            for name, tensor in [
-                *self.model.named_parameters(remove_duplicate=True),
-                *self.model.named_buffers(remove_duplicate=True),
-            ]
-            if name not in self.public and id(tensor) not in self._exempt
-        ]
+        seen: set[int] = set()
+        named = []
+        for prefix, tensors in self._dicts:
+            for local, tensor in tensors.items():
+                name = prefix + local
+                if tensor is None or id(tensor) in seen or id(tensor) in self._exempt:
+                    continue
+                seen.add(id(tensor))
+                if name not in self.public:
+                    named.append((name, tensor))
         by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for name, tensor in named:
             by_device.setdefault(tensor.device, []).append((name, tensor))
         found: dict[str, tuple[object, ...]] = {}
         for group in by_device.values():  # one device-to-host copy per device
-            values = torch.stack([_summary(t.detach()) for _, t in group]).cpu().tolist()
+            values = _summaries([t.detach() for _, t in group]).cpu().tolist()
             for (name, tensor), row in zip(group, values, strict=True):
                 found[name] = (
                     tuple(tensor.shape),
@@ -84,16 +94,27 @@ class StateWatch:
         return found
 
 
-def _summary(tensor: torch.Tensor) -> torch.Tensor:
-    """(L2 norm, sum) of one tensor, accumulated wide (float64 on the CPU), whatever its dtype."""
+def _summaries(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(L2 norm, sum) of each tensor, accumulated wide (float64 on the CPU), one row each.
+
+    The norms of all floating tensors come from one fused call (per-tensor calls cost more than
+    the reading on small models); the sums are one reduction each, stacked once.
+    """
+    wide = torch.float64 if tensors[0].device.type == "cpu" else torch.float32
+    real = [_real(t, wide) for t in tensors]
+    try:
+        norms = list(torch._foreach_norm(real, 2, dtype=wide))
+    except (TypeError, RuntimeError):  # torch without the dtype argument: one call each
+        norms = [torch.linalg.vector_norm(t, dtype=wide) for t in real]
+    sums = [t.sum(dtype=wide) for t in real]
+    return torch.stack([torch.stack(norms), torch.stack(sums)], dim=1).double()
+
+
+def _real(tensor: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """A floating view of any tensor: complex as pairs of reals, integers and bools widened."""
     if tensor.is_complex():
-        tensor = torch.view_as_real(tensor)
-    wide = torch.float64 if tensor.device.type == "cpu" else torch.float32
-    if not tensor.is_floating_point():
-        tensor = tensor.to(wide)
-    norm = torch.linalg.vector_norm(tensor, dtype=wide)
-    total = tensor.sum(dtype=wide)
-    return torch.stack([norm, total]).double()
+        return torch.view_as_real(tensor)
+    return tensor if tensor.is_floating_point() else tensor.to(wide)
 
 
 def _checked_public(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
