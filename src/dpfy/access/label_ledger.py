@@ -24,6 +24,7 @@ import numpy as np
 
 from dpfy._validate import check_count, check_positive
 from dpfy.plan.accounting.events import ComposedEvent, PureDpEvent
+from dpfy.train.budget_exhausted import BudgetExhausted
 
 __all__ = ["LABEL_MECHANISMS", "LabelBudgetExhausted", "LabelLedger", "LabelRelease"]
 
@@ -34,8 +35,24 @@ LABEL_MECHANISMS = ("rr", "rr-prior")
 _BUDGET_SLACK = 1e-12
 
 
-class LabelBudgetExhausted(RuntimeError):
-    """A release would randomise a label past the target ε; nothing was released."""
+class LabelBudgetExhausted(BudgetExhausted):
+    """A release would randomise a label past the target ε; nothing was released.
+
+    ``spent`` is the run's label-DP ε so far (the largest per-label sum), ``epsilon`` the refused
+    release's and ``after`` the ε it would have brought a label to; ``delta`` is 0, as every
+    release here is pure ε-label-DP.
+    """
+
+    def __init__(self, spent: float, target: float, epsilon: float, after: float) -> None:
+        self._refuse(
+            spent,
+            target,
+            0.0,
+            f"label budget exhausted: randomising these labels at ε = {epsilon:g} would bring "
+            f"a label to ε = {after:.6g}, past the target ε = {target:g}. "
+            "Nothing was released. Randomise each label once (disjoint stages), or lower "
+            "each release's ε.",
+        )
 
 
 @dataclass(frozen=True)
@@ -88,12 +105,7 @@ class LabelLedger:
             return
         after = float(self._spent[array].max()) + epsilon
         if after > self.target_epsilon * (1.0 + _BUDGET_SLACK):
-            raise LabelBudgetExhausted(
-                f"label budget exhausted: randomising these labels at ε = {epsilon:g} would bring "
-                f"a label to ε = {after:.6g}, past the target ε = {self.target_epsilon:g}. "
-                "Nothing was released. Randomise each label once (disjoint stages), or lower "
-                "each release's ε."
-            )
+            raise LabelBudgetExhausted(self.epsilon, self.target_epsilon, epsilon, after)
 
     def record(self, indices: Any, epsilon: float, *, mechanism: str, stage: int = 0) -> None:
         """Account one ε-label-DP randomisation of the labels at ``indices`` (guarded)."""

@@ -19,6 +19,7 @@ from typing import Any
 from dpfy._validate import check_count, check_delta, check_positive
 from dpfy.access.prediction_aggregator import Aggregator, aggregator_from_spec
 from dpfy.plan.accounting import NeighbouringRelation, SelfComposedEvent, make_accountant
+from dpfy.train.budget_exhausted import BudgetExhausted
 from dpfy.train.checkpoints import state_digest
 
 LEDGER_FORMAT = "dpfy.query-ledger"
@@ -28,18 +29,21 @@ LEDGER_VERSION = 1
 MAX_QUERIES = 10**9
 
 
-class QueryBudgetExhausted(RuntimeError):
+class QueryBudgetExhausted(BudgetExhausted):
     """A request would take ε past the ledger's budget; nothing was answered."""
 
     def __init__(self, ledger: QueryLedger, requested: int) -> None:
         self.requested, self.asked, self.remaining = requested, ledger.asked, ledger.remaining()
-        super().__init__(
+        self._refuse(
+            ledger.epsilon(),
+            ledger.budget,
+            ledger.delta,
             f"query budget exhausted: the budget is ε={ledger.budget:g} at δ={ledger.delta:g}; "
             f"{ledger.asked} queries have been accounted ({ledger.answered} answered, ε spent "
             f"{ledger.epsilon():.4g}), and {requested} more would exceed it ({self.remaining} "
             "more fit). Nothing was answered for this request. To answer more, ask fewer queries, "
             "serve a new ensemble with a larger noise multiplier, or raise the budget if your "
-            "privacy plan allows it."
+            "privacy plan allows it.",
         )
 
 

@@ -1,5 +1,5 @@
-"""The budget guard's plan for runs whose σ or q changes every step: one certificate covers
-many different steps, so the accountant is asked again only now and then.
+"""The budget guard's certificates, for runs whose σ or q changes every step: one covers many
+different steps, so the accountant is asked again only now and then.
 
 A certificate names a *ceiling* step s* — a Poisson-sampled Gaussian with a larger rate q* and a
 smaller noise multiplier σ* than the step that asked — and a room m, verified with the
