@@ -271,7 +271,14 @@ def data_dirs(tmp_path_factory) -> dict[str, Path | None]:
 
 @pytest.mark.parametrize("dataset", DATASET_NAMES)
 @pytest.mark.parametrize(
-    ("unit", "algorithm"), [("example", "dp-sgd"), ("user", "dp-sgd"), ("example", "dp-ftrl")]
+    ("unit", "algorithm"),
+    [
+        ("example", "dp-sgd"),
+        ("user", "dp-sgd"),
+        ("example", "dp-ftrl"),
+        ("example", "bandmf"),
+        ("example", "blt"),
+    ],
 )
 def test_built_in_pipelines_flag_no_error_pitfall_of_their_own(
     tmp_path, data_dirs, dataset, unit, algorithm

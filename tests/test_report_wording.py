@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 
+from dpfy.plan.accounting.events import GaussianEvent
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SAMPLING_UNITS, SamplingKind, SamplingRecord
 from dpfy.report.diagnostics import render_diagnostics
@@ -60,6 +61,7 @@ RELATIONS = {
     "fixed-size": "replace-one",
     "tree-shuffle": "zero-out",
     "tree-fixed-order": "zero-out",
+    "fixed-order-epochs": "zero-out",
 }
 
 
@@ -73,10 +75,14 @@ def _facts(privacy: PrivacyPlan, unit: str = "example") -> RunFacts:
         tree_nodes=int(tree),
     )  # fmt: skip
     book = PrivacyLedger(DELTA, relation=relation, accountant="rdp")
+    # Batches in one repeated order carry no event: their mechanism charges each step.
+    charged = (
+        GaussianEvent(privacy.noise_multiplier) if kind is SamplingKind.FIXED_ORDER_EPOCHS else None
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # shuffled batches warn that they are not Poisson
         for _ in range(4):
-            book.record(StepRecord(record, privacy.noise_multiplier))
+            book.record(StepRecord(record, privacy.noise_multiplier, charged=charged))
     return RunFacts(
         dataset=DatasetFacts("d", privacy.examples or N),
         model=ModelFacts("m", 10, 10, 0),
@@ -139,6 +145,27 @@ VARIANTS = {
         },
         "NO sampling assumption",
         "taken in a fixed order",
+    ),
+    "bandmf": (
+        {
+            "algorithm": "bandmf",
+            "sampler": "fixed-order-epochs",
+            "mechanism": "banded-mf",
+            "strategy": (1.0, 0.5, 0.25),
+        },
+        "BandMF (banded) matrix-factorisation noise",
+        "BandMF, 3 bands (coefficients 1, c_1, …: 1, 0.5, 0.25)",
+    ),
+    "blt, microbatches": (
+        {
+            "algorithm": "blt",
+            "sampler": "fixed-order-epochs",
+            "mechanism": "blt",
+            "strategy": (0.5, 0.9, 0.3, 0.2),
+            "microbatch_size": 5,
+        },
+        "BLT, 2 buffers (decays, then weights: 0.5, 0.9, 0.3, 0.2)",
+        "each example in at most k = 1 step (one per epoch), exactly s = 20 steps apart",
     ),
     "dp-fedavg": (
         {"algorithm": "dp-fedavg", "unit": "user", "examples": 5_000},

@@ -61,6 +61,12 @@ class StepSettings:
             )
         if plan.world_size != 1:
             raise ValueError("audit a distributed run's step in one process (world_size 1)")
+        if plan.strategy is not None:
+            raise ValueError(
+                f"a white-box audit of {plan.algorithm}'s matrix-factorisation noise is not "
+                "supported: its steps are correlated across the whole run, so no block of steps "
+                "is an independent trial; audit a DP-SGD or DP-FTRL run instead"
+            )
         return cls(
             records=plan.dataset_size,
             batch_size=plan.expected_batch_size,

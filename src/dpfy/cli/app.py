@@ -436,7 +436,11 @@ def train(
         int | None, typer.Option(help="Cap on a sampled user's examples per step (--unit user).")
     ] = _TRAIN.max_examples_per_user,
     algorithm: Annotated[
-        AlgorithmChoice, typer.Option(help="dp-sgd, or dp-ftrl (no sampling assumption).")
+        AlgorithmChoice,
+        typer.Option(
+            help="dp-sgd; or, with no sampling assumption, dp-ftrl (tree noise), bandmf or "
+            "blt (matrix-factorisation noise over one batch order repeated every epoch)."
+        ),
     ] = _ALGORITHM,
     access: Annotated[
         AccessChoice,

@@ -32,9 +32,11 @@ OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad")
 #: (user-level DP-SGD on :func:`dpfy.data.users.split_users`; batch_size then counts users).
 UNIT_NAMES = ("example", "user")
 
-#: Training algorithms ``dpfy train`` offers: DP-SGD (Poisson sampling) or DP-FTRL (shuffled
-#: batches, tree-aggregation noise, no sampling assumption; example level only).
-ALGORITHM_NAMES = ("dp-sgd", "dp-ftrl")
+#: Training algorithms ``dpfy train`` offers: DP-SGD (Poisson sampling), DP-FTRL (shuffled
+#: batches, tree-aggregation noise, no sampling assumption), BandMF or BLT (one batch order
+#: repeated every epoch, matrix-factorisation noise, no sampling assumption); all but DP-SGD at
+#: the example level only.
+ALGORITHM_NAMES = ("dp-sgd", "dp-ftrl", "bandmf", "blt")
 
 #: Where DP applies (guide §3.2): full training (DP-SGD), label-only or input-level DP; the
 #: names come from the access-model registry (:mod:`dpfy.jobs.access`).
@@ -130,8 +132,8 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(
             f"algorithm must be one of {', '.join(ALGORITHM_NAMES)}; got {config.algorithm!r}"
         )
-    if config.algorithm == "dp-ftrl" and config.unit != "example":
-        raise ValueError("--algorithm dp-ftrl needs --unit example")
+    if config.algorithm != "dp-sgd" and config.unit != "example":
+        raise ValueError(f"--algorithm {config.algorithm} needs --unit example")
     _check_access(config)
 
 

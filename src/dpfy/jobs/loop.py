@@ -25,11 +25,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpfy.data.datasets import LoadedDataset
 from dpfy.jobs.config import TrainConfig
+from dpfy.plan.correlated_events import describe_strategy
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.train.session import PrivateTraining
 
 #: How the progress bar and banner name each training algorithm.
-ALGORITHM_LABELS = {"dp-sgd": "DP-SGD", "dp-ftrl": "DP-FTRL"}
+ALGORITHM_LABELS = {"dp-sgd": "DP-SGD", "dp-ftrl": "DP-FTRL", "bandmf": "BandMF", "blt": "BLT"}
 
 
 def algorithm_label(plan: PrivacyPlan) -> str:
@@ -39,7 +40,8 @@ def algorithm_label(plan: PrivacyPlan) -> str:
 
 def banner(config: TrainConfig, data: LoadedDataset, private: PrivateTraining) -> str:
     """The run's first line: what is trained, at which (ε, δ), and how the algorithm draws its
-    batches — q for Poisson-sampled DP-SGD; passes and order for DP-FTRL, which samples nothing."""
+    batches — q for Poisson-sampled DP-SGD; passes and order for DP-FTRL, BandMF and BLT, which
+    sample nothing."""
     plan = private.plan
     if plan.mechanism == "tree-aggregation":
         per_pass = getattr(private.loader, "steps_per_epoch", None) or plan.steps
@@ -48,6 +50,13 @@ def banner(config: TrainConfig, data: LoadedDataset, private: PrivateTraining) -
             f"{algorithm_label(plan)}, tree aggregation (restart every {plan.restart_every} "
             f"steps): {math.ceil(plan.steps / per_pass)} epochs of ≤ {per_pass} batches in "
             f"{order} order, no sampling assumption, {plan.steps} steps"
+        )
+    elif plan.strategy is not None:  # matrix-factorisation noise over one repeated order
+        per_pass = plan.dataset_size // plan.expected_batch_size
+        how = (
+            f"{describe_strategy(plan.mechanism, plan.strategy)} (matrix-factorisation noise): "
+            f"{math.ceil(plan.steps / per_pass)} epochs of {per_pass} batches in one order "
+            f"repeated every epoch, no sampling assumption, {plan.steps} steps"
         )
     else:
         how = f"{algorithm_label(plan)}: q = {plan.sampling_rate:.4f}, {plan.steps} steps"

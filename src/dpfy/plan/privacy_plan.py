@@ -12,8 +12,11 @@ from dataclasses import dataclass
 from dpfy.plan.sampling import TREE_KINDS, SamplingKind, SamplingRecord
 from dpfy.plan.tree_events import check_tree, resolve_restart
 
-#: The noise mechanisms a plan can name (each is registered in dpfy.train.noise.mechanisms).
-MECHANISM_NAMES = ("gaussian", "tree-aggregation")
+#: The noise mechanisms a plan can name (each is registered in dpfy.train.noise.mechanisms;
+#: the matrix-factorisation ones in dpfy.train.noise.banded and .blt).
+MECHANISM_NAMES = ("gaussian", "tree-aggregation", "banded-mf", "blt")
+#: The matrix-factorisation mechanisms (dpfy.plan.correlated_events): they hold a strategy.
+FACTORISED_MECHANISMS = ("banded-mf", "blt")
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class PrivacyPlan:
     unit: str = "example"
     examples: int | None = None
     max_examples_per_user: int | None = None
-    #: The training algorithm: "dp-sgd", "dp-ftrl" (tree-aggregated noise) or
+    #: The training algorithm: "dp-sgd", "dp-ftrl" (tree-aggregated noise), "bandmf" / "blt"
+    #: (matrix-factorisation noise, :mod:`dpfy.plan.correlated_events`) or
     #: "dp-fedavg" / "dp-fedsgd" (each sampled user's model change after local training is what
     #: is clipped, dpfy.federated; guide alg. 2).
     algorithm: str = "dp-sgd"
@@ -55,12 +59,17 @@ class PrivacyPlan:
     #: Which datasets are neighbours: "add-or-remove" (Poisson), "replace-one" (fixed-size
     #: sampling), "zero-out" (tree aggregation keeps the stream's order).
     relation: str = "add-or-remove"
-    #: How each step's noise is drawn: "gaussian" (independent per step) or "tree-aggregation"
-    #: (correlated across the steps of a tree, DP-FTRL); ``restart_every`` and ``tree`` are the
-    #: tree's restart period in steps and its estimator ("plain" or "efficient").
+    #: How each step's noise is drawn: "gaussian" (independent per step), "tree-aggregation"
+    #: (correlated across the steps of a tree, DP-FTRL), or "banded-mf" / "blt" (C⁻¹z of a
+    #: matrix factorisation); ``restart_every`` and ``tree`` are the tree's restart period in
+    #: steps and its estimator ("plain" or "efficient").
     mechanism: str = "gaussian"
     restart_every: int | None = None
     tree: str | None = None
+    #: The matrix-factorisation strategy, optimised when the plan was made: BandMF's Toeplitz
+    #: coefficients (1, c_1, …, c_{b−1}), or a BLT's decays then weights (θ_1..θ_d, ω_1..ω_d).
+    #: None for the other mechanisms.
+    strategy: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         """Refuse a plan whose noise mechanism, sampling and relation do not fit together.
@@ -71,6 +80,8 @@ class PrivacyPlan:
         resolver's.
         """
         tree_order = self.sampler in {kind.value for kind in TREE_KINDS}
+        if self.strategy is not None:
+            object.__setattr__(self, "strategy", tuple(float(v) for v in self.strategy))
         if self.mechanism not in MECHANISM_NAMES:
             raise ValueError(
                 f"mechanism must be one of {', '.join(MECHANISM_NAMES)}; got {self.mechanism!r}"
@@ -81,6 +92,18 @@ class PrivacyPlan:
                 "tree aggregation takes batches in tree order ('tree-shuffle', "
                 "'tree-fixed-order') and they take tree aggregation"
             )
+        factorised = self.mechanism in FACTORISED_MECHANISMS
+        if factorised != (self.sampler == SamplingKind.FIXED_ORDER_EPOCHS.value):
+            raise ValueError(
+                f"the {self.mechanism} mechanism does not fit sampler {self.sampler!r}: "
+                "matrix-factorisation noise is accounted for batches in one order repeated "
+                "every epoch ('fixed-order-epochs'), and those batches carry no event of their "
+                "own without it"
+            )
+        if factorised:
+            self._check_factorised()
+        elif self.strategy is not None:
+            raise ValueError("strategy belongs to the banded-mf and blt mechanisms; leave it None")
         if self.mechanism == "tree-aggregation":
             if self.relation == "add-or-remove":
                 raise ValueError(
@@ -91,6 +114,19 @@ class PrivacyPlan:
             resolve_restart(self.restart_every, self.dataset_size // self.expected_batch_size)
         elif self.restart_every is not None or self.tree is not None:
             raise ValueError("restart_every and tree belong to tree aggregation; leave them None")
+
+    def _check_factorised(self) -> None:
+        """A matrix-factorisation plan: order-keeping relation, one unit, a valid strategy."""
+        from dpfy.plan.correlated_events import decode_strategy  # numpy/scipy: only when used
+
+        if self.relation == "add-or-remove":
+            raise ValueError(
+                f"{self.mechanism} noise over batches in a fixed order is accounted under "
+                "zero-out (or replace-one) adjacency, not add-or-remove"
+            )
+        if self.unit != "example":
+            raise ValueError(f"the {self.mechanism} mechanism is planned per example only")
+        decode_strategy(self.mechanism, self.strategy)
 
     @property
     def sensitivity_factor(self) -> float:

@@ -18,8 +18,16 @@ from dataclasses import dataclass
 from dpfy._validate import check_count, check_positive
 from dpfy.plan.accounting.calibrate import smallest_noise_multiplier
 from dpfy.plan.accounting.events import DpEvent, NeighbouringRelation, SelfComposedEvent
+from dpfy.plan.correlated.banded import optimise_banded
+from dpfy.plan.correlated.blt import Blt, optimise_blt
+from dpfy.plan.correlated_events import (
+    Strategy,
+    encode_strategy,
+    epoch_charges,
+    epoch_participation,
+)
 from dpfy.plan.privacy_plan import PrivacyPlan
-from dpfy.plan.sampling import SamplingKind, SamplingRecord, parse_order
+from dpfy.plan.sampling import ORDERS, SamplingKind, SamplingRecord, parse_order
 from dpfy.plan.tree_events import check_tree, ftrl_step_events, resolve_restart
 
 __all__ = ["PlanRequest", "make_plan", "register_resolver", "resolver_key", "resolver_keys"]
@@ -30,8 +38,8 @@ class PlanRequest:
     """What the user asked for, already checked for type and range by the builder.
 
     ``records`` and ``batch_size`` count what is sampled: examples, or users at user level
-    (``examples`` is then the number of examples they hold). ``sampler``, ``restart_every`` and
-    ``tree`` are None when the user left them to the algorithm.
+    (``examples`` is then the number of examples they hold). ``sampler``, ``restart_every``,
+    ``tree``, ``bands`` and ``buffers`` are None when the user left them to the algorithm.
     """
 
     records: int
@@ -52,6 +60,8 @@ class PlanRequest:
     max_examples_per_user: int | None = None
     restart_every: int | str | None = None
     tree: str | None = None
+    bands: int | None = None
+    buffers: int | None = None
 
 
 Resolver = Callable[[PlanRequest], PrivacyPlan]
@@ -170,7 +180,14 @@ def _plan(
 @register_resolver("dp-sgd", "example")
 def _dp_sgd(request: PlanRequest) -> PrivacyPlan:
     """DP-SGD (guide alg. 1): Poisson unless another sampler is chosen (fixed-size: replace-one)."""
-    _refuse(request, "DP-SGD", restart_every=request.restart_every, tree=request.tree)
+    _refuse(
+        request,
+        "DP-SGD",
+        restart_every=request.restart_every,
+        tree=request.tree,
+        bands=request.bands,
+        buffers=request.buffers,
+    )
     kind = SamplingKind.parse(SamplingKind.POISSON if request.sampler is None else request.sampler)
     if kind not in (SamplingKind.POISSON, SamplingKind.SHUFFLE, SamplingKind.FIXED_SIZE):
         raise ValueError(
@@ -206,6 +223,8 @@ def _user_dp_sgd(request: PlanRequest) -> PrivacyPlan:
         sampler=None if poisson else request.sampler,
         restart_every=request.restart_every,
         tree=request.tree,
+        bands=request.bands,
+        buffers=request.buffers,
     )
     cap = request.max_examples_per_user
     if cap is not None:
@@ -248,6 +267,7 @@ for _name in ("dp-fedavg", "dp-fedsgd"):
 @register_resolver("dp-ftrl", "example")
 def _dp_ftrl(request: PlanRequest) -> PrivacyPlan:
     """DP-FTRL (Kairouz et al. 2021): batches in order, tree-aggregated noise, zero-out relation."""
+    _refuse(request, "DP-FTRL", bands=request.bands, buffers=request.buffers)
     kind = parse_order(request.sampler)
     per_epoch = request.records // request.batch_size
     k = resolve_restart(request.restart_every, per_epoch)
@@ -275,3 +295,107 @@ def _dp_ftrl(request: PlanRequest) -> PrivacyPlan:
         restart_every=k,
         tree=tree,
     )
+
+
+#: BandMF's default bands, capped at the steps of an epoch (then the columns one example can
+#: touch are disjoint and its sensitivity is exact). BandMF keeps bands − 1 noise tensors per
+#: parameter; beyond 16 each band buys less (docs/correlated-noise.md), and BLT does better with
+#: 4 buffers, its default.
+DEFAULT_BANDS = 16
+DEFAULT_BUFFERS = 4
+
+_FIXED_ORDER_NAMES = ("fixed-order", SamplingKind.FIXED_ORDER_EPOCHS.value)
+
+
+def _repeated_order(request: PlanRequest, name: str) -> SamplingKind:
+    """One order fixed before training and kept every epoch: the only order MF noise accounts."""
+    if request.sampler is None:
+        return SamplingKind.FIXED_ORDER_EPOCHS
+    sampler = request.sampler
+    value = sampler.value if isinstance(sampler, SamplingKind) else str(sampler).strip().lower()
+    if value in _FIXED_ORDER_NAMES:
+        return SamplingKind.FIXED_ORDER_EPOCHS
+    fresh = "a fresh shuffle every epoch" if value in ORDERS else "sampling"
+    raise ValueError(
+        f"{name} takes the batches in one order fixed before training and repeated every epoch "
+        f"(sampler='fixed-order', the default): its accounting needs each example exactly "
+        f"N // B steps apart, which sampler={value!r} ({fresh}) does not keep; leave sampler "
+        "unset, or train with DP-SGD (Poisson) or DP-FTRL (shuffled epochs)"
+    )
+
+
+def _banded_strategy(request: PlanRequest, steps: int, per_epoch: int) -> Strategy:
+    """BandMF's strategy for the run: ``bands`` (default min(16, steps per epoch)) optimised."""
+    bands = min(DEFAULT_BANDS, per_epoch, steps) if request.bands is None else request.bands
+    bands = check_count("bands", bands, minimum=1)
+    if bands > steps:
+        raise ValueError(
+            f"bands={bands} exceeds the run's {steps} steps (C is steps × steps); lower bands"
+        )
+    return optimise_banded(steps, bands, epoch_participation(steps, per_epoch))
+
+
+def _blt_strategy(request: PlanRequest, steps: int, per_epoch: int) -> Strategy:
+    """BLT's strategy for the run: ``buffers`` (default 4) optimised; one step needs none."""
+    buffers = DEFAULT_BUFFERS if request.buffers is None else request.buffers
+    buffers = check_count("buffers", buffers, minimum=1)
+    if steps < 2:  # one step: every strategy is DP-SGD's
+        return Blt((), ())
+    return optimise_blt(steps, buffers, epoch_participation(steps, per_epoch))
+
+
+def _factorised(
+    algorithm: str,
+    mechanism: str,
+    name: str,
+    size: str,
+    optimise: Callable[[PlanRequest, int, int], Strategy],
+) -> Resolver:
+    """A matrix-factorisation variant: repeated fixed order, strategy optimised, σ calibrated."""
+
+    def resolve(request: PlanRequest) -> PrivacyPlan:
+        other = "buffers" if size == "bands" else "bands"
+        _refuse(
+            request,
+            name,
+            restart_every=request.restart_every,
+            tree=request.tree,
+            **{other: getattr(request, other)},
+        )
+        kind = _repeated_order(request, name)
+        if request.microbatch_size is not None:
+            check_count("microbatch_size", request.microbatch_size, minimum=1)
+        per_epoch = request.records // request.batch_size
+        steps = _steps(request, per_epoch)
+        strategy = optimise(request, steps, per_epoch)
+        charges = epoch_charges(strategy, steps, per_epoch)
+        relation = NeighbouringRelation.ZERO_OUT  # the order is fixed in advance
+        record = SamplingRecord(
+            kind, request.batch_size / request.records, request.records, request.batch_size
+        )
+        # Calibrated on exactly the events the ledger will record (one Gaussian increment per
+        # epoch): their composition is correlated_accounting's Gaussian of noise σ/Δ, and no
+        # discretisation difference between the two can make the guard refuse the last epoch.
+        sigma = _calibrated(request, charges.run_events, relation, request.accountant)
+        return _plan(
+            request,
+            record,
+            steps,
+            sigma,
+            relation,
+            request.accountant,
+            algorithm=algorithm,
+            mechanism=mechanism,
+            strategy=encode_strategy(strategy),
+        )
+
+    resolve.__doc__ = (
+        f"{name}: batches in one repeated order, matrix-factorisation noise, zero-out relation."
+    )
+    return resolve
+
+
+register_resolver("bandmf", "example")(
+    _factorised("bandmf", "banded-mf", "BandMF", "bands", _banded_strategy)
+)
+register_resolver("blt", "example")(_factorised("blt", "blt", "BLT", "buffers", _blt_strategy))

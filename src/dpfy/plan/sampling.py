@@ -33,6 +33,7 @@ class SamplingKind(enum.Enum):
     FIXED_SIZE = "fixed-size"
     TREE_SHUFFLE = "tree-shuffle"  # DP-FTRL: no sampling assumption
     TREE_FIXED_ORDER = "tree-fixed-order"
+    FIXED_ORDER_EPOCHS = "fixed-order-epochs"  # BandMF / BLT: the mechanism accounts each step
 
     @property
     def description(self) -> str:
@@ -75,10 +76,21 @@ _DESCRIPTIONS = {
         "sampling assumption is used. The noise is accounted as tree aggregation (Kairouz et al. "
         "2021), which holds for any data order in which each example enters a tree at most once."
     ),
+    SamplingKind.FIXED_ORDER_EPOCHS: (
+        "Fixed-size batches in one order drawn before training (a random permutation, "
+        "independent of the data) and repeated every epoch: each example is in at most one "
+        "batch per epoch, always N // B steps apart. NO sampling assumption is used: the "
+        "correlated noise (matrix factorisation) is accounted under this min-separation "
+        "participation (Choquette-Choo et al. 2022), by the noise mechanism, not by this record."
+    ),
 }
 
 #: Kinds whose steps are DP-FTRL tree-aggregation steps rather than subsampled Gaussians.
 TREE_KINDS = frozenset({SamplingKind.TREE_SHUFFLE, SamplingKind.TREE_FIXED_ORDER})
+
+#: Kinds that state how batches were taken but carry no privacy event of their own: the noise
+#: mechanism supplies each step's event (design rule 20: samplers describe sampling only).
+MECHANISM_ACCOUNTED_KINDS = frozenset({SamplingKind.FIXED_ORDER_EPOCHS})
 
 
 #: The record a sampler draws: one example, or one user with all of their examples (guide §2.1).
@@ -157,8 +169,16 @@ class SamplingRecord:
 
         Poisson and shuffle both give ``PoissonSampledEvent(q, GaussianEvent(σ))`` — for the
         shuffle sampler that is an assumption not met, and :attr:`assumption_met` says so.
-        Fixed-size sampling gives its honest ``FixedSizeSampledEvent``.
+        Fixed-size sampling gives its honest ``FixedSizeSampledEvent``. A kind of
+        :data:`MECHANISM_ACCOUNTED_KINDS` has no event of its own (ValueError): its noise
+        mechanism states what each step is charged.
         """
+        if self.kind in MECHANISM_ACCOUNTED_KINDS:
+            raise ValueError(
+                f"a {self.kind.value!r} record describes the order of the batches only: the "
+                "privacy event of each step comes from the noise mechanism (its participation "
+                "schema), so a StepRecord of this kind needs the mechanism's event"
+            )
         if self.kind in TREE_KINDS:
             return _tree_step_event(noise_multiplier, self.tree_nodes)
         if self.kind is SamplingKind.FIXED_SIZE:
@@ -171,7 +191,14 @@ class SamplingRecord:
         """The event this step would be under Poisson sampling at the same q (for comparison).
 
         A DP-FTRL step's accounting uses no sampling, so Poisson sampling would change nothing.
+        Batches whose event the mechanism supplies have no such figure (ValueError).
         """
+        if self.kind in MECHANISM_ACCOUNTED_KINDS:
+            raise ValueError(
+                f"{self.kind.value!r} batches are not sampled; their correlated noise is "
+                "accounted by its participation schema (min-separation), which no sampling "
+                "assumption would change"
+            )
         if self.kind in TREE_KINDS:
             return self.event(noise_multiplier)
         return PoissonSampledEvent(self.sampling_rate, GaussianEvent(noise_multiplier))

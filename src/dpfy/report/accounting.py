@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dpfy._validate import check_delta
+from dpfy.plan.accounting.events import NeighbouringRelation
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.report.json_codec import build, list_as_tuple, tuple_of
 from dpfy.train.ledger_summary import LedgerSummary, SampledSteps
@@ -114,12 +115,14 @@ def _epsilons(
         return [tracker.epsilon(d) for d in deltas], None
 
 
-def _poisson_epsilon(ledger: PrivacyLedger) -> float | None:
-    """The ledger's ε as if every step were Poisson-sampled, or None where that has no bound."""
+def _poisson_epsilon(ledger: PrivacyLedger) -> float | str:
+    """The ledger's ε as if every step were Poisson-sampled, or the reason it has none."""
     try:
         return ledger.epsilon_under_poisson_assumption()
-    except ValueError:  # a replace-one ledger: no comparable Poisson figure
-        return None
+    except ValueError as err:  # a replace-one ledger, or steps their mechanism accounts
+        if ledger.relation is NeighbouringRelation.REPLACE_ONE:
+            return f"Poisson sampling has no bound under {ledger.relation.value} adjacency"
+        return str(err)
 
 
 def accounting_facts(
@@ -136,12 +139,10 @@ def accounting_facts(
     table = tuple(
         EpsilonAtDelta(d, columns["pld"][i], columns["rdp"][i]) for i, d in enumerate(every)
     )
-    poisson = _poisson_epsilon(ledger)
-    if poisson is None:
-        notes.append(
-            f"No ε under the Poisson assumption: Poisson sampling has no bound under "
-            f"{ledger.relation.value} adjacency."
-        )
+    poisson: float | str | None = _poisson_epsilon(ledger)
+    if isinstance(poisson, str):
+        notes.append(f"No ε under the Poisson assumption: {poisson}.")
+        poisson = None
     return AccountingFacts(
         ledger_state=ledger.state_dict(),
         summary=ledger.summary(),

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from dpfy.plan.sampling import SamplingKind
 from dpfy.report.accounting import planned_sampling
 from dpfy.report.sections import section, show_epsilon, show_value
-from dpfy.report.wording import sampler_wording
+from dpfy.report.wording import accounting_fields, sampler_wording
 
 if TYPE_CHECKING:
     from dpfy.report.facts import RunFacts
@@ -79,6 +79,7 @@ def accounting(facts: RunFacts, findings: tuple[Finding, ...], words: Wording) -
             accountant=_ACCOUNTANTS.get(accountant, accountant),
             sigma=p.noise_multiplier,
             q=p.sampling_rate,
+            **accounting_fields(p),
         ),
     }
 

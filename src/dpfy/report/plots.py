@@ -66,15 +66,16 @@ def _ledger_state(source: Any) -> dict[str, Any]:
 
 def _training_runs(state: dict[str, Any]) -> tuple[list[_TrainingRun], bool]:
     """The recorded training steps in order, and whether every one met its assumption."""
-    from dpfy.plan.sampling import SamplingRecord
+    from dpfy.train.ledger_codec import decode_entry
 
     runs, met = [], True
-    for entry in state["entries"]:
+    for index, entry in enumerate(state["entries"]):
         if "sampling" not in entry:
             continue
-        record = SamplingRecord.from_dict(entry["sampling"])
-        runs.append(_TrainingRun(record.event(entry["noise_multiplier"]), int(entry["count"])))
-        met &= record.assumption_met
+        _, count, step, _ = decode_entry(index, entry, entry["label"])
+        assert step is not None  # an entry with a sampling record is a training step
+        runs.append(_TrainingRun(step.event, count))  # the mechanism's event where it charged one
+        met &= step.sampling.assumption_met
     return runs, met
 
 

@@ -115,6 +115,23 @@ _CENTRAL = (
 )
 
 
+def _factorised_accounting(name: str) -> str:
+    """Matrix-factorisation noise (dpfy.plan.correlated_events), accounted by participation."""
+    return (
+        f"{name} matrix-factorisation noise, accounted with the {{accountant}} accountant and NO "
+        "sampling assumption: step t adds σ·sensitivity·(C⁻¹z)_t to its clipped sum, z fresh "
+        "N(0, I) every step (σ = {sigma:.6g}), so the noise is correlated across steps and "
+        "partly cancels in the running sum. Strategy C: {strategy}, optimised for this run's "
+        "{planned} steps and its participation when the run was planned. Participation "
+        "(min-separation): {participation}. The planned run is one Gaussian mechanism of noise "
+        "multiplier σ/Δ = {effective:.6g}, Δ = {sensitivity:.6g} being the strategy's "
+        "sensitivity in units of the clip norm ({sensitivity_method}; Denisov et al. 2022, "
+        "Choquette-Choo et al. 2022); the ledger charges it epoch by epoch, at each epoch's first "
+        "step the Gaussian that brings the composition to σ/Δ for the epochs begun. Adjacency "
+        "replaces an example by a null one (the order is fixed in advance)."
+    )
+
+
 def _federated(name: str) -> AlgorithmWording:
     """dpfy.federated: the server is the trusted curator and each round is one noised average."""
     return AlgorithmWording(
@@ -148,6 +165,24 @@ ALGORITHM_WORDING: dict[str, AlgorithmWording] = {
         released_from="the noised gradients",
         steps="noised gradient steps",
         accounting=_TREE_ACCOUNTING,
+        clipped="gradient",
+    ),
+    "bandmf": AlgorithmWording(
+        name="BandMF (banded matrix factorisation, Choquette-Choo et al. 2023; McKenna 2024)",
+        curator=_CENTRAL,
+        guide="guide §3.1–§3.2",
+        released_from="the noised gradients",
+        steps="noised gradient steps",
+        accounting=_factorised_accounting("BandMF (banded)"),
+        clipped="gradient",
+    ),
+    "blt": AlgorithmWording(
+        name="BLT (buffered linear Toeplitz matrix factorisation, Dvijotham, McMahan et al. 2024)",
+        curator=_CENTRAL,
+        guide="guide §3.1–§3.2",
+        released_from="the noised gradients",
+        steps="noised gradient steps",
+        accounting=_factorised_accounting("BLT (buffered linear Toeplitz)"),
         clipped="gradient",
     ),
     "dp-fedavg": _federated("DP-FedAvg"),
@@ -225,6 +260,12 @@ VARIANT_WORDING: dict[tuple[str, str], VariantWording] = {
     ("dp-ftrl", "example"): VariantWording(
         ALGORITHM_WORDING["dp-ftrl"], UNIT_WORDING["example"], _PER_EXAMPLE, _MICROBATCH
     ),
+    ("bandmf", "example"): VariantWording(
+        ALGORITHM_WORDING["bandmf"], UNIT_WORDING["example"], _PER_EXAMPLE, _MICROBATCH
+    ),
+    ("blt", "example"): VariantWording(
+        ALGORITHM_WORDING["blt"], UNIT_WORDING["example"], _PER_EXAMPLE, _MICROBATCH
+    ),
     ("dp-fedavg", "user"): _federated_variant("dp-fedavg"),
     ("dp-fedsgd", "user"): _federated_variant("dp-fedsgd"),
 }
@@ -267,7 +308,50 @@ SAMPLER_WORDING: dict[str, SamplerWording] = {
     ),
     "tree-shuffle": _tree_order("a shuffled"),
     "tree-fixed-order": _tree_order("a fixed"),
+    "fixed-order-epochs": SamplerWording(
+        "Met — no sampling assumption was used: batches of B = {batch} were taken in one order "
+        "drawn before training (independently of the data) and repeated every epoch, so each "
+        "example took part at most once per epoch, always N // B steps apart: the "
+        "participation the matrix-factorisation accounting assumes.",
+        "B/N (batch fraction; nothing is sampled)",
+        poisson_comparison=False,
+    ),
 }
+
+# -- what a statement says about the plan beyond σ and q -------------------------------------------
+
+
+def accounting_fields(plan: PrivacyPlan) -> dict[str, object]:
+    """Fields of the accounting statement beyond accountant, σ and q: for matrix-factorisation
+    noise, the strategy, the participation and the sensitivity behind ε (none otherwise)."""
+    from dpfy.plan.correlated_events import (
+        CORRELATED_MECHANISMS,
+        decode_strategy,
+        describe_strategy,
+        epoch_charges,
+    )
+
+    if plan.mechanism not in CORRELATED_MECHANISMS:
+        return {}
+    strategy = decode_strategy(plan.mechanism, plan.strategy)
+    per_epoch = plan.dataset_size // plan.expected_batch_size
+    charges = epoch_charges(strategy, plan.steps, per_epoch)
+    k = len(charges.sensitivities)
+    total = charges.total
+    numbers = ", ".join(f"{v:.4g}" for v in plan.strategy or ())
+    layout = "coefficients 1, c_1, …" if plan.mechanism == "banded-mf" else "decays, then weights"
+    return {
+        "strategy": f"{describe_strategy(plan.mechanism, plan.strategy)} ({layout}: {numbers})",
+        "planned": plan.steps,
+        "participation": (
+            f"each example in at most k = {k} step{'s' if k != 1 else ''} (one per epoch), "
+            f"exactly s = {per_epoch} steps apart"
+        ),
+        "sensitivity": total.norm,
+        "sensitivity_method": ("exact: " if total.exact else "an upper bound: ") + total.method,
+        "effective": plan.noise_multiplier / total.norm,
+    }
+
 
 # -- looking wording up ---------------------------------------------------------------------------
 
@@ -317,6 +401,7 @@ __all__ = [
     "UnitWording",
     "VariantWording",
     "Wording",
+    "accounting_fields",
     "known",
     "sampler_wording",
     "unit_wording",

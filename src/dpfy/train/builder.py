@@ -78,6 +78,8 @@ def make_private(
     algorithm: str = "dp-sgd",
     restart_every: int | str | None = None,
     tree: str | None = None,
+    bands: int | None = None,
+    buffers: int | None = None,
     criterion: Callable[..., torch.Tensor] | None = None,
     behaviour_checks: CheckSchedule | None = None,
     public_buffers: Sequence[str] = (),
@@ -109,6 +111,15 @@ def make_private(
     ``sampler`` "shuffle" (default) or "fixed-order" order with no sampling assumption, noise
     aggregated over a tree restarted every ``restart_every`` steps ("epoch", the default, or a
     divisor of N // B) with the ``tree`` estimator ("efficient", Honaker 2015, or "plain").
+
+    ``algorithm="bandmf"`` or ``"blt"`` trains with matrix-factorisation noise (BandMF,
+    Choquette-Choo et al. 2023 / McKenna 2024; BLT, Dvijotham, McMahan et al. 2024): fixed
+    batches of B in one order drawn before training and repeated every epoch, noise
+    σ·C·(C⁻¹z)_t correlated across steps so that it cancels in the running sum, from a strategy
+    optimised for the run's steps and epochs when the plan is made — ``bands`` (BandMF, default
+    min(16, N // B); bands − 1 noise tensors per parameter) or ``buffers`` (BLT, default 4; one
+    tensor per buffer). It is accounted as one Gaussian mechanism of noise σ/Δ under zero-out
+    adjacency (min-separation participation; docs/correlated-noise.md), charged epoch by epoch.
 
     Each example's contribution must depend on that example alone, and dpfy checks it by
     behaviour on the first batches and then on a schedule (``behaviour_checks``, a
@@ -165,6 +176,8 @@ def make_private(
             max_examples_per_user=max_examples_per_user,
             restart_every=restart_every,
             tree=tree,
+            bands=bands,
+            buffers=buffers,
         ),
         algorithm,
         unit,

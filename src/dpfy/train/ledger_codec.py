@@ -2,6 +2,8 @@
 
 Decoding re-validates every part (a sampling record, an event) with the same checks as when it
 was first recorded, so a corrupt state is a ValueError rather than an ε no one should trust.
+A training step whose noise mechanism charged its own event keeps it under ``"charged"``;
+entries without it (every ledger written before mechanisms charged events) decode as before.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def encode_entry(label: str, count: int, step: StepRecord | None, event: DpEvent
     if step is not None:
         item["sampling"] = step.sampling.to_dict()
         item["noise_multiplier"] = step.noise_multiplier
+        if step.charged is not None:
+            item["charged"] = encode_event(step.charged)
     else:
         item["event"] = encode_event(event)
     return item
@@ -67,6 +71,9 @@ def decode_entry(
     if "sampling" in item:
         if label != training:
             raise ValueError(f"entries[{index}] is a training step labelled {label!r}")
-        step = StepRecord(SamplingRecord.from_dict(item["sampling"]), item["noise_multiplier"])
+        charged = decode_event(item["charged"]) if "charged" in item else None
+        step = StepRecord(
+            SamplingRecord.from_dict(item["sampling"]), item["noise_multiplier"], charged=charged
+        )
         return label, count, step, None
     return label, count, None, decode_event(item["event"])

@@ -1,8 +1,9 @@
 """DPOptimizer: the one private step — guard, clip, noise, ÷ expected units, update, record.
 
-Every variant takes this step (guide alg. 1): DP-SGD, microbatches, user-level DP-SGD and DP-FTRL
-differ only in their plan (:class:`~dpfy.plan.privacy_plan.PrivacyPlan`: the clipping unit, the
-sampling) and in the noise mechanism (:mod:`dpfy.train.noise.mechanisms`).
+Every variant takes this step (guide alg. 1): DP-SGD, microbatches, user-level DP-SGD, DP-FTRL,
+BandMF and BLT differ only in their plan (:class:`~dpfy.plan.privacy_plan.PrivacyPlan`: the
+clipping unit, the sampling) and in the noise mechanism (:mod:`dpfy.train.noise.mechanisms`),
+which also states a step's event when its sampling record cannot (correlated noise).
 
 The wrapped optimizer only post-processes privatised gradients (guide §4.2, §5.5.2), so SGD,
 Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enforces:
@@ -42,6 +43,7 @@ from dpfy.train.behaviour.checks import BehaviourChecks
 from dpfy.train.distributed import GradientAggregator, LocalAggregator
 from dpfy.train.grads import ClipResult, GradEngine, NoiseStart
 from dpfy.train.ledger import PrivacyLedger
+from dpfy.train.noise import banded, blt  # noqa: F401  (they register their mechanisms)
 from dpfy.train.noise.mechanisms import NoiseMechanism, make_mechanism
 from dpfy.train.noise.source import NoiseSource, TorchNoise
 from dpfy.train.step_record import StepRecord
@@ -172,9 +174,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if not closes:
             return loss
         sampling = self._guarded(self.mechanism.sampling, self.sampling, batch)
-        record = StepRecord(
-            sampling, self.plan.noise_multiplier, batch_size=self.engine.num_examples
-        )
+        sigma = self.plan.noise_multiplier
+        charged = self._guarded(self.mechanism.step_event, sampling, batch, sigma)
+        record = StepRecord(sampling, sigma, batch_size=self.engine.num_examples, charged=charged)
         self._guarded(self.provenance.check_size, batch, self.engine.num_examples)
         self._guarded(self.ledger.check_step, record)  # BudgetExhausted before anything changes
         self._write_private_grads()

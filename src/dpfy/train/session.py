@@ -9,6 +9,7 @@ noise generator state: every resume draws fresh noise, so noise is never replaye
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import secrets
 from collections.abc import Callable
@@ -114,7 +115,8 @@ class PrivateTraining:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: model, optimizer, ledger, sampler, and the noise a
-        correlated mechanism must carry on (DP-FTRL's tree nodes already drawn).
+        correlated mechanism must carry on (DP-FTRL's tree nodes already drawn, BandMF's and
+        BLT's buffers).
 
         No noise generator state: a resumed run draws fresh noise (:meth:`load_state_dict`).
         Sealed with a content digest (:mod:`dpfy.train.checkpoints`). Distributed: collective (call
@@ -141,18 +143,19 @@ class PrivateTraining:
         experiment reproduces yet never replays the interrupted run's stream). Replaying noise
         would let two continuations that differ in one record cancel it in their difference.
         Only noise a correlated mechanism already drew is restored exactly (DP-FTRL's tree
-        nodes): the stream continues once. Two continuations of one checkpoint are therefore
-        two releases of the steps after it, and they spend twice: this method does not refuse
-        the second (``dpfy train --resume`` does), and each continuation's ledger counts only
-        its own steps, so say so when publishing both.
+        nodes, BandMF's past outputs, BLT's buffers): the stream continues once. Two
+        continuations of one checkpoint are therefore two releases of the steps after it, and
+        they spend twice: this method does not refuse the second (``dpfy train --resume``
+        does), and each continuation's ledger counts only its own steps, so say so when
+        publishing both.
 
         Refused: a checkpoint whose content changed since it was written, or whose ledger does
         not belong with its sampler state (another run's, an earlier one, an emptied one), and a
         run whose noise source cannot start a fresh stream (no ``reseed``). Going back to an
         earlier checkpoint of this same run keeps what was spent since: those steps are carried
-        in the ledger as :data:`REWOUND` releases, so ε never goes down. A DP-FTRL run cannot go
-        back at all. Checkpoints of dpfy versions that saved the noise state still load; that
-        state is ignored.
+        in the ledger as :data:`REWOUND` releases, so ε never goes down. A DP-FTRL, BandMF or BLT
+        run cannot go back at all. Checkpoints of dpfy versions that saved the noise state still
+        load; that state is ignored, and plan fields they predate take their defaults.
         """
         state = unseal(state)
         if not callable(getattr(self.noise, "reseed", None)):
@@ -162,7 +165,7 @@ class PrivateTraining:
                 "may have drawn before. Nothing was loaded — resume with dpfy's own noise source"
             )
         mine = self.replicas.mine(state["loader"])  # another number of ranks: refused by name
-        saved = state["plan"]
+        saved = _with_defaults(state["plan"])
         if saved != asdict(self.plan):
             raise ValueError(
                 "the checkpoint was made with different privacy settings "
@@ -175,9 +178,10 @@ class PrivateTraining:
         if rewound and self.plan.mechanism != "gaussian":
             raise ValueError(
                 f"the checkpoint is an earlier point of this {self.plan.algorithm} run: training "
-                f"on from it would release again tree nodes that already hold its examples, "
-                "which the ledger cannot charge. Nothing was loaded — resume from the latest "
-                "checkpoint, or start a new run"
+                f"on from it would release again noise correlated with steps already released "
+                "(tree nodes, or matrix-factorisation buffers) that hold its examples, which the "
+                "ledger cannot charge. Nothing was loaded — resume from the latest checkpoint, "
+                "or start a new run"
             )
         backup = {
             "model": copy.deepcopy(self.model.state_dict()),
@@ -251,6 +255,18 @@ class PrivateTraining:
             f"q={s.sampling_rate:.4g}, σ={s.noise_multiplier:.4g}, C={s.max_grad_norm:g}, "
             f"steps={s.steps}, δ={s.delta:g}, engine={self.engine.kind})"
         )
+
+
+def _with_defaults(saved: Any) -> Any:
+    """A checkpoint's plan with the fields its dpfy version did not have at their defaults."""
+    if not isinstance(saved, dict):
+        return saved
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(PrivacyPlan)
+        if f.default is not dataclasses.MISSING
+    }
+    return {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
 
 
 def _check_binding(ledger: PrivacyLedger, run: Any, loader_state: Any, mechanism: Any) -> None:

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from dpfy._validate import check_count
 from dpfy.data.loader import DPDataLoader, dataset_size_of
-from dpfy.data.ordered_sampling import OrderedSampler
+from dpfy.data.ordered_sampling import OrderedSampler, RepeatedOrderSampler
 from dpfy.data.sampling import DpBatchSampler, check_batch_size
 from dpfy.data.user_sampling import UserDataLoader, check_user_ids, user_sampling_rate
 from dpfy.plan.privacy_plan import PrivacyPlan
@@ -132,10 +132,24 @@ def _ordered_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
     return _example_loader(plan, inputs, order)
 
 
+def _repeated_order_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
+    """BandMF's and BLT's loader: one order drawn before training, the same every epoch."""
+    order = RepeatedOrderSampler(
+        plan.dataset_size,
+        plan.expected_batch_size,
+        generator=inputs.generator,
+        secure=inputs.secure,
+        total=plan.steps,
+    )
+    return _example_loader(plan, inputs, order)
+
+
 _VARIANTS: dict[tuple[str, str], Variant] = {
     ("dp-sgd", "example"): Variant("example", _examples, _sampled_loader, distributed=True),
     ("dp-sgd", "user"): Variant("user", _users, _user_loader, virtual_batches=False),
     ("dp-ftrl", "example"): Variant("example", _examples, _ordered_loader),
+    ("bandmf", "example"): Variant("example", _examples, _repeated_order_loader),
+    ("blt", "example"): Variant("example", _examples, _repeated_order_loader),
 }
 
 

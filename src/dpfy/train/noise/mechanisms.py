@@ -3,10 +3,14 @@
 The step (:class:`~dpfy.train.optim.DPOptimizer`) is the same for every variant: budget guard →
 clipped sum over clipping units → noise mechanism → ÷ expected divisor → the user's optimizer →
 ledger. Only this stage differs between independent noise (DP-SGD, guide alg. 1) and noise that
-is correlated across steps (DP-FTRL's tree aggregation; matrix-factorisation mechanisms such as
-banded MF or BLT fit the same seam: a state of past noise, and a noisy gradient per step that is
-the clipped sum plus that step's share of correlated noise). A mechanism registers under the
-plan's ``mechanism`` name.
+is correlated across steps (DP-FTRL's tree aggregation; the matrix-factorisation mechanisms
+BandMF and BLT, :mod:`dpfy.train.noise.banded` and :mod:`dpfy.train.noise.blt`: a state of past
+noise, and a noisy gradient per step that is the clipped sum plus that step's share of
+correlated noise). A mechanism registers under the plan's ``mechanism`` name.
+
+A mechanism also says what each step costs when the sampling record cannot
+(:meth:`NoiseMechanism.step_event`): correlated noise is accounted by its participation schema,
+and a sampler only describes how the batches were taken (design rule 20).
 
 Every mechanism works at the divisor's scale: the sums it receives are already ÷ B and ``std``
 is the per-coordinate std of its noise on such a sum (σ · sensitivity / B, per rank's share).
@@ -22,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from dpfy.data.provenance import BatchRefused, DrawnBatch
+from dpfy.plan.accounting.events import DpEvent
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import TREE_KINDS, SamplingRecord
 from dpfy.plan.tree_events import new_tree_nodes
@@ -60,6 +65,18 @@ class NoiseMechanism(Protocol):
         """The sampling record of this step as the ledger must account it."""
         ...
 
+    def step_event(
+        self, record: SamplingRecord, batch: DrawnBatch, noise_multiplier: float
+    ) -> DpEvent | None:
+        """The event this step is charged, or None: the sampling record's own event at σ.
+
+        Asked once the step's record is known and before the budget guard, with nothing
+        changed; a mechanism whose cost is not a per-step sampled event (correlated noise under
+        a participation schema) states its share of the run's event here, and the ledger
+        records exactly that (:class:`~dpfy.train.step_record.StepRecord` ``charged``).
+        """
+        ...
+
     def privatise(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The noisy gradients from this step's clipped sums; called once the step is allowed."""
         ...
@@ -76,6 +93,8 @@ class NoiseMechanism(Protocol):
 MechanismFactory = Callable[
     [PrivacyPlan, Mapping[str, torch.Tensor], NoiseSource, float], NoiseMechanism
 ]
+#: Every registered mechanism by name; the matrix-factorisation ones register from their own
+#: modules (:mod:`dpfy.train.noise.banded`, :mod:`.blt`), which the private step imports.
 MECHANISMS: dict[str, MechanismFactory] = {}
 
 
@@ -139,6 +158,12 @@ class GaussianMechanism:
     def sampling(self, record: SamplingRecord, batch: DrawnBatch) -> SamplingRecord:
         """Every step is accounted as the sampler's record says."""
         return record
+
+    def step_event(
+        self, record: SamplingRecord, batch: DrawnBatch, noise_multiplier: float
+    ) -> DpEvent | None:
+        """None: independent noise costs what the sampling record's event says."""
+        return None
 
     def privatise(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The sums already hold their noise (opened from it)."""
@@ -232,6 +257,12 @@ class TreeAggregationMechanism:
             )
         nodes = new_tree_nodes(batch.epoch_position + 1, self.restart_every)
         return dataclasses.replace(record, tree_nodes=nodes)
+
+    def step_event(
+        self, record: SamplingRecord, batch: DrawnBatch, noise_multiplier: float
+    ) -> DpEvent | None:
+        """None: the record :meth:`sampling` returns already carries the tree nodes charged."""
+        return None
 
     @torch.no_grad()
     def privatise(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,100 @@
+"""BLT's noise, streamed (Dvijotham, McMahan et al. 2024): O(d) state per parameter.
+
+A buffered linear Toeplitz C has an inverse that is again a BLT, with decays θ̂_j and weights
+ω̂_j (:meth:`dpfy.plan.correlated.Blt.inverse`), so (C⁻¹ z)_t needs d running sums per parameter:
+
+    w_t = z_t + Σ_j ω̂_j s_{j,t},      s_{j,t+1} = θ̂_j s_{j,t} + z_t,      s_{j,0} = 0.
+
+The strategy is the plan's (optimised when the plan was made, :func:`dpfy.plan.correlated.
+optimise_blt`); z_t is fresh from the run's noise source every step
+(:mod:`dpfy.train.noise.factorised`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from dpfy.plan.correlated_events import decode_strategy, epoch_charges
+from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.train.noise.factorised import FactorisedMechanism
+from dpfy.train.noise.mechanisms import NoiseMechanism, register_mechanism
+from dpfy.train.noise.source import NoiseSource
+
+__all__ = ["BltMechanism"]
+
+
+class BltMechanism(FactorisedMechanism):
+    """w_t = z_t + Σ_j ω̂_j s_j, then s_j ← θ̂_j s_j + z_t, per parameter (d buffers)."""
+
+    kind = "blt"
+    label = "BLT"
+
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        source: NoiseSource,
+        std: float,
+        *,
+        strategy: tuple[float, ...],
+        steps: int,
+        steps_per_epoch: int,
+    ) -> None:
+        blt = decode_strategy("blt", strategy)
+        super().__init__(
+            params,
+            source,
+            std,
+            strategy=strategy,
+            charges=epoch_charges(blt, steps, steps_per_epoch),
+        )
+        inverse = blt.inverse()
+        self._decays = tuple(float(theta) for theta in inverse.decays)
+        self._weights = tuple(float(omega) for omega in inverse.weights)
+        self._sums: dict[str, list[torch.Tensor]] = {}  # made at the first step
+
+    @property
+    def buffers(self) -> int:
+        """d: running sums kept per parameter (the inverse's; equal decays are merged)."""
+        return len(self._decays)
+
+    def _correlate(self, name: str, fresh: torch.Tensor) -> torch.Tensor:
+        sums = self._sums.get(name)
+        if sums is None:
+            sums = self._sums[name] = [torch.zeros_like(fresh) for _ in self._decays]
+        out = fresh.clone()
+        for weight, running in zip(self._weights, sums, strict=True):
+            out.add_(running, alpha=weight)
+        for theta, running in zip(self._decays, sums, strict=True):
+            running.mul_(theta).add_(fresh)
+        return out
+
+    def _buffers(self) -> dict[str, list[torch.Tensor]]:
+        return {name: list(self._sums.get(name, ())) for name in self._like}
+
+    def _check_counts(self, buffers: dict[str, list[torch.Tensor]], steps_done: int) -> None:
+        expected = {self.buffers} if steps_done else {0, self.buffers}
+        if any(len(tensors) not in expected for tensors in buffers.values()):
+            raise ValueError(
+                f"a BLT state holds {self.buffers} running sums per parameter; this one does not"
+            )
+
+    def _restore(self, buffers: dict[str, list[torch.Tensor]]) -> None:
+        self._sums = {name: tensors for name, tensors in buffers.items() if tensors}
+
+
+@register_mechanism("blt")
+def _blt(
+    plan: PrivacyPlan, params: Mapping[str, torch.Tensor], source: NoiseSource, std: float
+) -> NoiseMechanism:
+    """BLT's noise with the plan's strategy, steps and epochs."""
+    assert plan.strategy is not None  # the plan refuses a blt plan without one
+    return BltMechanism(
+        params,
+        source,
+        std,
+        strategy=plan.strategy,
+        steps=plan.steps,
+        steps_per_epoch=plan.dataset_size // plan.expected_batch_size,
+    )
