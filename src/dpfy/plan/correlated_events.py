@@ -18,6 +18,13 @@ mechanism when examples take part at most j times, which bounds the rows release
 rows only shrink the sensitivity) and every example's participations up to then. After the run
 it is exactly :func:`~dpfy.plan.correlated.accounting.correlated_accounting`'s event.
 
+Amplified BandMF (sampler ``cyclic-poisson``, :class:`CyclicCharges`): the examples are split
+once, independently of the data, into b groups (b = the bands), and step t Poisson-samples group
+t mod b at rate q̃ = b·B/N. By the amplification theorem of Choquette-Choo et al. 2023 the run is
+⌈T/b⌉ composed Poisson-subsampled Gaussians of noise σ/‖largest column of C‖ under add-or-remove
+adjacency (:func:`~dpfy.plan.correlated.accounting.amplified_banded_event`); group 0 takes part in
+the most rounds, so every step t ≡ 0 (mod b) is charged one such round and the others nothing.
+
 The plan stores the strategy as a tuple of floats (:func:`encode_strategy`): BandMF's
 coefficients (1, c_1, …, c_{b−1}); a BLT's decays then weights (θ_1..θ_d, ω_1..ω_d).
 """
@@ -28,11 +35,22 @@ import math
 from dataclasses import dataclass
 
 from dpfy._validate import check_count, check_positive
-from dpfy.plan.accounting.events import ComposedEvent, DpEvent, GaussianEvent, NoOpEvent
+from dpfy.plan.accounting.events import (
+    ComposedEvent,
+    DpEvent,
+    GaussianEvent,
+    NoOpEvent,
+    PoissonSampledEvent,
+    SelfComposedEvent,
+)
 from dpfy.plan.correlated.banded import BandedStrategy
 from dpfy.plan.correlated.blt import Blt
-from dpfy.plan.correlated.participation import MinSeparation
-from dpfy.plan.correlated.sensitivity import Sensitivity, toeplitz_sensitivity_squared
+from dpfy.plan.correlated.participation import CyclicPoisson, MinSeparation
+from dpfy.plan.correlated.sensitivity import (
+    Sensitivity,
+    column_norm_squared,
+    toeplitz_sensitivity_squared,
+)
 
 #: The plan's mechanism name of each matrix-factorisation strategy, and the algorithm using it.
 CORRELATED_MECHANISMS = {"banded-mf": "bandmf", "blt": "blt"}
@@ -111,6 +129,11 @@ class EpochCharges:
         """Δ_T(k): the sensitivity of the whole run."""
         return self.sensitivities[-1]
 
+    @property
+    def period(self) -> int:
+        """Steps between an example's chances to take part: an epoch."""
+        return self.steps_per_epoch
+
     def step_event(self, step: int, noise_multiplier: float) -> DpEvent:
         """What step ``step`` (0-based) is charged: epoch j's increment at its first step."""
         step = check_count("step", step)
@@ -139,6 +162,82 @@ def epoch_charges(strategy: Strategy, steps: int, steps_per_epoch: int) -> Epoch
     return EpochCharges(steps, participation.separation, sensitivities)
 
 
+@dataclass(frozen=True)
+class CyclicCharges:
+    """Amplified BandMF's charges: one Poisson-sampled Gaussian round every ``groups`` steps."""
+
+    steps: int
+    groups: int
+    sampling_rate: float
+    column: Sensitivity  # the largest column norm of C: each round's sensitivity
+
+    @property
+    def period(self) -> int:
+        """Steps between an example's chances to take part: one cycle of the groups."""
+        return self.groups
+
+    @property
+    def rounds(self) -> int:
+        """⌈T/b⌉: the rounds of group 0, the busiest."""
+        return -(-self.steps // self.groups)
+
+    def _round(self, noise_multiplier: float) -> DpEvent:
+        sigma = check_positive("noise_multiplier", noise_multiplier)
+        return PoissonSampledEvent(self.sampling_rate, GaussianEvent(sigma / self.column.norm))
+
+    def step_event(self, step: int, noise_multiplier: float) -> DpEvent:
+        """What step ``step`` (0-based) is charged: a round of group 0 at t ≡ 0 (mod b)."""
+        step = check_count("step", step)
+        if step >= self.steps:
+            raise ValueError(f"step {step} is beyond the {self.steps} steps accounted")
+        return NoOpEvent() if step % self.groups else self._round(noise_multiplier)
+
+    def run_events(self, noise_multiplier: float) -> DpEvent:
+        """Exactly what the ledger composes over the whole run: ⌈T/b⌉ rounds."""
+        return SelfComposedEvent(self._round(noise_multiplier), self.rounds)
+
+
+def cyclic_charges(
+    strategy: BandedStrategy, steps: int, groups: int, sampling_rate: float
+) -> CyclicCharges:
+    """Amplified BandMF's charges; refuses more bands than groups (no amplification then)."""
+    steps = check_count("steps", steps, minimum=1)
+    participation = CyclicPoisson(check_count("groups", groups, minimum=1), sampling_rate)
+    if strategy.bands > participation.groups:
+        raise ValueError(
+            f"amplified BandMF needs bands <= groups, got {strategy.bands} bands and "
+            f"{participation.groups} groups"
+        )
+    squared = column_norm_squared(strategy.toeplitz(steps), steps)
+    column = Sensitivity(squared, True, "amplified rounds: the largest column norm")
+    return CyclicCharges(steps, participation.groups, float(sampling_rate), column)
+
+
+Charges = EpochCharges | CyclicCharges
+
+
+def run_charges(
+    mechanism: str,
+    strategy: tuple[float, ...] | None,
+    sampler: str,
+    steps: int,
+    records: int,
+    batch_size: int,
+) -> Charges:
+    """What each step of a planned run is charged, from the plan's fields.
+
+    ``sampler`` 'fixed-order-epochs' (epochs of N // B steps) or 'cyclic-poisson' (BandMF only:
+    as many groups as bands, rate b·B/N).
+    """
+    decoded = decode_strategy(mechanism, strategy)
+    if sampler == "cyclic-poisson":
+        if not isinstance(decoded, BandedStrategy):
+            raise ValueError("cyclic Poisson sampling amplifies BandMF only, not a BLT")
+        groups = decoded.bands
+        return cyclic_charges(decoded, steps, groups, groups * batch_size / records)
+    return epoch_charges(decoded, steps, records // batch_size)
+
+
 def _increment_event(increment: float, noise_multiplier: float) -> DpEvent:
     """The Gaussian of μ² = d/σ² (noise multiplier σ/√d), or nothing for d = 0."""
     sigma = check_positive("noise_multiplier", noise_multiplier)
@@ -149,10 +248,14 @@ def _increment_event(increment: float, noise_multiplier: float) -> DpEvent:
 
 __all__ = [
     "CORRELATED_MECHANISMS",
+    "Charges",
+    "CyclicCharges",
     "EpochCharges",
+    "cyclic_charges",
     "decode_strategy",
     "describe_strategy",
     "encode_strategy",
     "epoch_charges",
     "epoch_participation",
+    "run_charges",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpfy.plan.sampling import TREE_KINDS, SamplingKind, SamplingRecord
+from dpfy.plan.sampling import POISSON_KINDS, TREE_KINDS, SamplingKind, SamplingRecord
 from dpfy.plan.tree_events import check_tree, resolve_restart
 
 #: The noise mechanisms a plan can name (each is registered in dpfy.train.noise.mechanisms;
@@ -17,6 +17,8 @@ from dpfy.plan.tree_events import check_tree, resolve_restart
 MECHANISM_NAMES = ("gaussian", "tree-aggregation", "banded-mf", "blt")
 #: The matrix-factorisation mechanisms (dpfy.plan.correlated_events): they hold a strategy.
 FACTORISED_MECHANISMS = ("banded-mf", "blt")
+#: The samplers whose steps a matrix-factorisation mechanism accounts (and only one does).
+FACTORISED_SAMPLERS = (SamplingKind.FIXED_ORDER_EPOCHS.value, SamplingKind.CYCLIC_POISSON.value)
 
 
 @dataclass(frozen=True)
@@ -93,12 +95,12 @@ class PrivacyPlan:
                 "'tree-fixed-order') and they take tree aggregation"
             )
         factorised = self.mechanism in FACTORISED_MECHANISMS
-        if factorised != (self.sampler == SamplingKind.FIXED_ORDER_EPOCHS.value):
+        if factorised != (self.sampler in FACTORISED_SAMPLERS):
             raise ValueError(
                 f"the {self.mechanism} mechanism does not fit sampler {self.sampler!r}: "
                 "matrix-factorisation noise is accounted for batches in one order repeated "
-                "every epoch ('fixed-order-epochs'), and those batches carry no event of their "
-                "own without it"
+                "every epoch ('fixed-order-epochs') or, BandMF only, cyclic Poisson groups "
+                "('cyclic-poisson'), and those batches carry no event of their own without it"
             )
         if factorised:
             self._check_factorised()
@@ -119,14 +121,29 @@ class PrivacyPlan:
         """A matrix-factorisation plan: order-keeping relation, one unit, a valid strategy."""
         from dpfy.plan.correlated_events import decode_strategy  # numpy/scipy: only when used
 
-        if self.relation == "add-or-remove":
+        if self.unit != "example":
+            raise ValueError(f"the {self.mechanism} mechanism is planned per example only")
+        strategy = decode_strategy(self.mechanism, self.strategy)
+        if self.sampler == SamplingKind.CYCLIC_POISSON.value:
+            groups = getattr(strategy, "bands", None)
+            if self.mechanism != "banded-mf" or groups is None:
+                raise ValueError("cyclic Poisson sampling amplifies BandMF only, not a BLT")
+            if self.relation != "add-or-remove":
+                raise ValueError(
+                    "amplified BandMF is accounted under add-or-remove adjacency (Poisson "
+                    f"sampling of its groups), not {self.relation}"
+                )
+            rate = groups * self.expected_batch_size / self.dataset_size
+            if not 0.0 < self.sampling_rate <= 1.0 or abs(self.sampling_rate - rate) > 1e-12:
+                raise ValueError(
+                    f"amplified BandMF with {groups} groups samples each group at "
+                    f"q = {groups}·B/N = {rate:.6g}, not {self.sampling_rate!r}"
+                )
+        elif self.relation == "add-or-remove":
             raise ValueError(
                 f"{self.mechanism} noise over batches in a fixed order is accounted under "
                 "zero-out (or replace-one) adjacency, not add-or-remove"
             )
-        if self.unit != "example":
-            raise ValueError(f"the {self.mechanism} mechanism is planned per example only")
-        decode_strategy(self.mechanism, self.strategy)
 
     @property
     def sensitivity_factor(self) -> float:
@@ -164,6 +181,6 @@ class PrivacyPlan:
             kind,
             self.sampling_rate,
             self.dataset_size,
-            None if kind is SamplingKind.POISSON else self.expected_batch_size,
+            None if kind in POISSON_KINDS else self.expected_batch_size,
             unit=self.unit,
         )

@@ -34,6 +34,7 @@ class SamplingKind(enum.Enum):
     TREE_SHUFFLE = "tree-shuffle"  # DP-FTRL: no sampling assumption
     TREE_FIXED_ORDER = "tree-fixed-order"
     FIXED_ORDER_EPOCHS = "fixed-order-epochs"  # BandMF / BLT: the mechanism accounts each step
+    CYCLIC_POISSON = "cyclic-poisson"  # amplified BandMF: the mechanism accounts each step
 
     @property
     def description(self) -> str:
@@ -83,6 +84,13 @@ _DESCRIPTIONS = {
         "correlated noise (matrix factorisation) is accounted under this min-separation "
         "participation (Choquette-Choo et al. 2022), by the noise mechanism, not by this record."
     ),
+    SamplingKind.CYCLIC_POISSON: (
+        "Cyclic Poisson sampling: the examples were split once, before training and "
+        "independently of the data, into b fixed groups; step t took every example of group "
+        "t mod b independently with probability q = b·B/N (batch sizes vary; empty batches are "
+        "steps too). Amplified BandMF accounts it (Choquette-Choo et al. 2023), by the noise "
+        "mechanism, not by this record."
+    ),
 }
 
 #: Kinds whose steps are DP-FTRL tree-aggregation steps rather than subsampled Gaussians.
@@ -90,7 +98,12 @@ TREE_KINDS = frozenset({SamplingKind.TREE_SHUFFLE, SamplingKind.TREE_FIXED_ORDER
 
 #: Kinds that state how batches were taken but carry no privacy event of their own: the noise
 #: mechanism supplies each step's event (design rule 20: samplers describe sampling only).
-MECHANISM_ACCOUNTED_KINDS = frozenset({SamplingKind.FIXED_ORDER_EPOCHS})
+MECHANISM_ACCOUNTED_KINDS = frozenset(
+    {SamplingKind.FIXED_ORDER_EPOCHS, SamplingKind.CYCLIC_POISSON}
+)
+
+#: Kinds whose batch size is random (every record joins independently): no fixed batch_size.
+POISSON_KINDS = frozenset({SamplingKind.POISSON, SamplingKind.CYCLIC_POISSON})
 
 
 #: The record a sampler draws: one example, or one user with all of their examples (guide §2.1).
@@ -135,7 +148,7 @@ class SamplingRecord:
         object.__setattr__(
             self, "dataset_size", check_count("dataset_size", self.dataset_size, minimum=1)
         )
-        if self.kind is SamplingKind.POISSON:
+        if self.kind in POISSON_KINDS:
             if self.batch_size is not None:
                 raise ValueError(
                     "a Poisson record has no fixed batch_size (its size is random); pass None"
@@ -175,7 +188,7 @@ class SamplingRecord:
         """
         if self.kind in MECHANISM_ACCOUNTED_KINDS:
             raise ValueError(
-                f"a {self.kind.value!r} record describes the order of the batches only: the "
+                f"a {self.kind.value!r} record describes how the batches were taken only: the "
                 "privacy event of each step comes from the noise mechanism (its participation "
                 "schema), so a StepRecord of this kind needs the mechanism's event"
             )
@@ -195,9 +208,8 @@ class SamplingRecord:
         """
         if self.kind in MECHANISM_ACCOUNTED_KINDS:
             raise ValueError(
-                f"{self.kind.value!r} batches are not sampled; their correlated noise is "
-                "accounted by its participation schema (min-separation), which no sampling "
-                "assumption would change"
+                f"{self.kind.value!r} batches are accounted with their correlated noise by its "
+                "participation schema, which the Poisson assumption would not change"
             )
         if self.kind in TREE_KINDS:
             return self.event(noise_multiplier)

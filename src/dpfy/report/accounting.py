@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpfy._validate import check_delta
 from dpfy.plan.accounting.events import NeighbouringRelation
-from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.plan.sampling import POISSON_KINDS, SamplingKind, SamplingRecord
 from dpfy.report.json_codec import build, list_as_tuple, tuple_of
 from dpfy.train.ledger_summary import LedgerSummary, SampledSteps
 
@@ -81,7 +81,7 @@ class AccountingFacts:
 def planned_sampling(plan: PrivacyPlan) -> SamplingRecord:
     """The record the plan's sampler reports each step: whether its assumption holds, and why."""
     kind = SamplingKind.parse(plan.sampler)
-    batch = None if kind is SamplingKind.POISSON else plan.expected_batch_size
+    batch = None if kind in POISSON_KINDS else plan.expected_batch_size
     return SamplingRecord(kind, plan.sampling_rate, plan.dataset_size, batch, unit=plan.unit)
 
 

@@ -118,17 +118,11 @@ _CENTRAL = (
 def _factorised_accounting(name: str) -> str:
     """Matrix-factorisation noise (dpfy.plan.correlated_events), accounted by participation."""
     return (
-        f"{name} matrix-factorisation noise, accounted with the {{accountant}} accountant and NO "
-        "sampling assumption: step t adds σ·sensitivity·(C⁻¹z)_t to its clipped sum, z fresh "
-        "N(0, I) every step (σ = {sigma:.6g}), so the noise is correlated across steps and "
-        "partly cancels in the running sum. Strategy C: {strategy}, optimised for this run's "
-        "{planned} steps and its participation when the run was planned. Participation "
-        "(min-separation): {participation}. The planned run is one Gaussian mechanism of noise "
-        "multiplier σ/Δ = {effective:.6g}, Δ = {sensitivity:.6g} being the strategy's "
-        "sensitivity in units of the clip norm ({sensitivity_method}; Denisov et al. 2022, "
-        "Choquette-Choo et al. 2022); the ledger charges it epoch by epoch, at each epoch's first "
-        "step the Gaussian that brings the composition to σ/Δ for the epochs begun. Adjacency "
-        "replaces an example by a null one (the order is fixed in advance)."
+        f"{name} matrix-factorisation noise, accounted with the {{accountant}} accountant: step t "
+        "adds σ·sensitivity·(C⁻¹z)_t to its clipped sum, z fresh N(0, I) every step "
+        "(σ = {sigma:.6g}), so the noise is correlated across steps and partly cancels in the "
+        "running sum. Strategy C: {strategy}, optimised for this run's {planned} steps and its "
+        "participation when the run was planned. {charged}"
     )
 
 
@@ -308,6 +302,13 @@ SAMPLER_WORDING: dict[str, SamplerWording] = {
     ),
     "tree-shuffle": _tree_order("a shuffled"),
     "tree-fixed-order": _tree_order("a fixed"),
+    "cyclic-poisson": SamplerWording(
+        "Met: the examples were split once into fixed groups, independently of the data, and "
+        "every example of the step's group joined it independently with probability q (cyclic "
+        "Poisson sampling), as amplified BandMF's accounting assumes.",
+        "q (sampling rate within the step's group, b·B/N)",
+        poisson_comparison=False,
+    ),
     "fixed-order-epochs": SamplerWording(
         "Met — no sampling assumption was used: batches of B = {batch} were taken in one order "
         "drawn before training (independently of the data) and repeated every epoch, so each "
@@ -326,31 +327,55 @@ def accounting_fields(plan: PrivacyPlan) -> dict[str, object]:
     noise, the strategy, the participation and the sensitivity behind ε (none otherwise)."""
     from dpfy.plan.correlated_events import (
         CORRELATED_MECHANISMS,
-        decode_strategy,
+        CyclicCharges,
         describe_strategy,
-        epoch_charges,
+        run_charges,
     )
 
     if plan.mechanism not in CORRELATED_MECHANISMS:
         return {}
-    strategy = decode_strategy(plan.mechanism, plan.strategy)
-    per_epoch = plan.dataset_size // plan.expected_batch_size
-    charges = epoch_charges(strategy, plan.steps, per_epoch)
-    k = len(charges.sensitivities)
-    total = charges.total
+    charges = run_charges(
+        plan.mechanism,
+        plan.strategy,
+        plan.sampler,
+        plan.steps,
+        plan.dataset_size,
+        plan.expected_batch_size,
+    )
     numbers = ", ".join(f"{v:.4g}" for v in plan.strategy or ())
     layout = "coefficients 1, c_1, …" if plan.mechanism == "banded-mf" else "decays, then weights"
-    return {
+    fields: dict[str, object] = {
         "strategy": f"{describe_strategy(plan.mechanism, plan.strategy)} ({layout}: {numbers})",
         "planned": plan.steps,
-        "participation": (
-            f"each example in at most k = {k} step{'s' if k != 1 else ''} (one per epoch), "
-            f"exactly s = {per_epoch} steps apart"
-        ),
-        "sensitivity": total.norm,
-        "sensitivity_method": ("exact: " if total.exact else "an upper bound: ") + total.method,
-        "effective": plan.noise_multiplier / total.norm,
     }
+    if isinstance(charges, CyclicCharges):
+        column = charges.column.norm
+        fields["charged"] = (
+            f"Amplified BandMF (Choquette-Choo et al. 2023): the examples were split once, before "
+            f"training and independently of the data, into b = {charges.groups} groups, and "
+            f"each step Poisson-sampled the next group at q = {charges.sampling_rate:.6g}; with "
+            "no more bands than groups an example's rounds touch disjoint rows of C, so the run "
+            f"is ⌈T/b⌉ = {charges.rounds} composed Poisson-subsampled Gaussians of noise "
+            f"multiplier σ/‖largest column of C‖ = {plan.noise_multiplier / column:.6g} "
+            f"(‖·‖ = {column:.6g}), one charged at every {charges.groups}-th step. Adjacency "
+            "adds or removes one example."
+        )
+        return fields
+    k = len(charges.sensitivities)
+    total = charges.total
+    exact = ("exact: " if total.exact else "an upper bound: ") + total.method
+    fields["charged"] = (
+        "NO sampling assumption is used. Participation (min-separation): each example in at "
+        f"most k = {k} step{'s' if k != 1 else ''} (one per epoch), exactly "
+        f"s = {charges.steps_per_epoch} steps apart. The planned run is one Gaussian mechanism "
+        f"of noise multiplier σ/Δ = {plan.noise_multiplier / total.norm:.6g}, Δ = "
+        f"{total.norm:.6g} being the strategy's sensitivity in units of the clip norm ({exact}; "
+        "Denisov et al. 2022, Choquette-Choo et al. 2022); the ledger charges it epoch by epoch, "
+        "at each epoch's first step the Gaussian that brings the composition to σ/Δ for the "
+        "epochs begun. Adjacency replaces an example by a null one (the order is fixed in "
+        "advance)."
+    )
+    return fields
 
 
 # -- looking wording up ---------------------------------------------------------------------------

@@ -120,6 +120,9 @@ def make_private(
     min(16, N // B); bands − 1 noise tensors per parameter) or ``buffers`` (BLT, default 4; one
     tensor per buffer). It is accounted as one Gaussian mechanism of noise σ/Δ under zero-out
     adjacency (min-separation participation; docs/correlated-noise.md), charged epoch by epoch.
+    BandMF with ``sampler="cyclic-poisson"`` is amplified BandMF: ``bands`` fixed groups (default
+    min(16, ⌊(N // B)/8⌋)), each step Poisson-samples the next at q = bands·B/N, accounted as
+    subsampled Gaussians under add-or-remove adjacency.
 
     Each example's contribution must depend on that example alone, and dpfy checks it by
     behaviour on the first batches and then on a schedule (``behaviour_checks``, a

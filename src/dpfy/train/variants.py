@@ -16,9 +16,10 @@ import torch
 from torch.utils.data import Dataset
 
 from dpfy._validate import check_count
+from dpfy.data.cyclic_sampling import CyclicPoissonSampler
 from dpfy.data.loader import DPDataLoader, dataset_size_of
 from dpfy.data.ordered_sampling import OrderedSampler, RepeatedOrderSampler
-from dpfy.data.sampling import DpBatchSampler, check_batch_size
+from dpfy.data.sampling import DpBatchSampler, check_batch_size, epoch_length
 from dpfy.data.user_sampling import UserDataLoader, check_user_ids, user_sampling_rate
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.resolvers import resolver_key
@@ -132,24 +133,37 @@ def _ordered_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
     return _example_loader(plan, inputs, order)
 
 
-def _repeated_order_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
-    """BandMF's and BLT's loader: one order drawn before training, the same every epoch."""
-    order = RepeatedOrderSampler(
-        plan.dataset_size,
-        plan.expected_batch_size,
-        generator=inputs.generator,
-        secure=inputs.secure,
-        total=plan.steps,
-    )
-    return _example_loader(plan, inputs, order)
+def _factorised_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
+    """BandMF's and BLT's loader: one order drawn before training, the same every epoch; or,
+    for amplified BandMF, cyclic Poisson groups (as many as the strategy's bands)."""
+    sampler: DpBatchSampler
+    if SamplingKind.parse(plan.sampler) is SamplingKind.CYCLIC_POISSON:
+        sampler = CyclicPoissonSampler(
+            plan.dataset_size,
+            len(plan.strategy or ()),
+            plan.sampling_rate,
+            epoch_length(plan.dataset_size, plan.expected_batch_size),
+            inputs.generator,
+            secure=inputs.secure,
+            total=plan.steps,
+        )
+    else:
+        sampler = RepeatedOrderSampler(
+            plan.dataset_size,
+            plan.expected_batch_size,
+            generator=inputs.generator,
+            secure=inputs.secure,
+            total=plan.steps,
+        )
+    return _example_loader(plan, inputs, sampler)
 
 
 _VARIANTS: dict[tuple[str, str], Variant] = {
     ("dp-sgd", "example"): Variant("example", _examples, _sampled_loader, distributed=True),
     ("dp-sgd", "user"): Variant("user", _users, _user_loader, virtual_batches=False),
     ("dp-ftrl", "example"): Variant("example", _examples, _ordered_loader),
-    ("bandmf", "example"): Variant("example", _examples, _repeated_order_loader),
-    ("blt", "example"): Variant("example", _examples, _repeated_order_loader),
+    ("bandmf", "example"): Variant("example", _examples, _factorised_loader),
+    ("blt", "example"): Variant("example", _examples, _factorised_loader),
 }
 
 

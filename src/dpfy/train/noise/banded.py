@@ -16,8 +16,9 @@ from collections.abc import Mapping
 
 import torch
 
-from dpfy.plan.correlated_events import decode_strategy, epoch_charges
+from dpfy.plan.correlated_events import Charges, decode_strategy, run_charges
 from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.sampling import SamplingKind
 from dpfy.train.noise.factorised import FactorisedMechanism
 from dpfy.train.noise.mechanisms import NoiseMechanism, register_mechanism
 from dpfy.train.noise.source import NoiseSource
@@ -38,8 +39,8 @@ class BandedMechanism(FactorisedMechanism):
         std: float,
         *,
         strategy: tuple[float, ...],
-        steps: int,
-        steps_per_epoch: int,
+        charges: Charges,
+        kind: SamplingKind = SamplingKind.FIXED_ORDER_EPOCHS,
     ) -> None:
         banded = decode_strategy("banded-mf", strategy)
         super().__init__(
@@ -47,7 +48,8 @@ class BandedMechanism(FactorisedMechanism):
             source,
             std,
             strategy=strategy,
-            charges=epoch_charges(banded, steps, steps_per_epoch),
+            charges=charges,
+            kind=kind,
         )
         self._tail = tuple(float(c) for c in banded.coefficients[1:])  # c_1 … c_{b−1}
         self._history: dict[str, collections.deque[torch.Tensor]] = {
@@ -97,6 +99,13 @@ def _banded_mf(
         source,
         std,
         strategy=plan.strategy,
-        steps=plan.steps,
-        steps_per_epoch=plan.dataset_size // plan.expected_batch_size,
+        charges=run_charges(
+            plan.mechanism,
+            plan.strategy,
+            plan.sampler,
+            plan.steps,
+            plan.dataset_size,
+            plan.expected_batch_size,
+        ),
+        kind=SamplingKind.parse(plan.sampler),
     )

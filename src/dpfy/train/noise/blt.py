@@ -16,8 +16,9 @@ from collections.abc import Mapping
 
 import torch
 
-from dpfy.plan.correlated_events import decode_strategy, epoch_charges
+from dpfy.plan.correlated_events import Charges, decode_strategy, run_charges
 from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.sampling import SamplingKind
 from dpfy.train.noise.factorised import FactorisedMechanism
 from dpfy.train.noise.mechanisms import NoiseMechanism, register_mechanism
 from dpfy.train.noise.source import NoiseSource
@@ -38,8 +39,8 @@ class BltMechanism(FactorisedMechanism):
         std: float,
         *,
         strategy: tuple[float, ...],
-        steps: int,
-        steps_per_epoch: int,
+        charges: Charges,
+        kind: SamplingKind = SamplingKind.FIXED_ORDER_EPOCHS,
     ) -> None:
         blt = decode_strategy("blt", strategy)
         super().__init__(
@@ -47,7 +48,8 @@ class BltMechanism(FactorisedMechanism):
             source,
             std,
             strategy=strategy,
-            charges=epoch_charges(blt, steps, steps_per_epoch),
+            charges=charges,
+            kind=kind,
         )
         inverse = blt.inverse()
         self._decays = tuple(float(theta) for theta in inverse.decays)
@@ -95,6 +97,13 @@ def _blt(
         source,
         std,
         strategy=plan.strategy,
-        steps=plan.steps,
-        steps_per_epoch=plan.dataset_size // plan.expected_batch_size,
+        charges=run_charges(
+            plan.mechanism,
+            plan.strategy,
+            plan.sampler,
+            plan.steps,
+            plan.dataset_size,
+            plan.expected_batch_size,
+        ),
+        kind=SamplingKind.parse(plan.sampler),
     )

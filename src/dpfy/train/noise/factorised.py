@@ -11,8 +11,10 @@ draws it from a fresh stream (design rule 18). Every trainable parameter gets w_
 whatever its gradient.
 
 The sampling record of these batches carries no event of its own: the mechanism charges each
-step its share of the run's Gaussian (:class:`~dpfy.plan.correlated_events.EpochCharges`), and
-refuses a batch out of the epoch order that share assumes, or a step beyond the plan.
+step its share of the run's event (:mod:`dpfy.plan.correlated_events`: a Gaussian increment per
+epoch for batches in one repeated order, a Poisson-sampled round per cycle of groups for
+amplified BandMF), and refuses a batch out of the order those charges assume, or a step beyond
+the plan.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from dpfy._validate import check_count, check_positive
 from dpfy.data.provenance import BatchRefused, DrawnBatch
 from dpfy.plan.accounting.events import DpEvent
-from dpfy.plan.correlated_events import EpochCharges
+from dpfy.plan.correlated_events import Charges
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.noise.source import NoiseSource
 
@@ -37,7 +39,8 @@ class FactorisedMechanism(abc.ABC):
     """A streaming C⁻¹z over named parameters, charged by epoch (subclasses keep the buffers).
 
     ``std`` is the per-coordinate std of z at the divisor's scale; ``strategy`` the plan's tuple
-    (checked against a checkpoint's); ``charges`` what each step costs.
+    (checked against a checkpoint's); ``charges`` what each step costs; ``kind`` the sampling
+    the charges are for (the plan's sampler).
     """
 
     #: The plan's name of this mechanism, and how messages name it.
@@ -51,39 +54,43 @@ class FactorisedMechanism(abc.ABC):
         std: float,
         *,
         strategy: tuple[float, ...],
-        charges: EpochCharges,
+        charges: Charges,
+        kind: SamplingKind = SamplingKind.FIXED_ORDER_EPOCHS,
     ) -> None:
         self.source = source
         self.std = check_positive("std", std)
         self.strategy = tuple(strategy)
         self.charges = charges
         self.steps = charges.steps
-        self.steps_per_epoch = charges.steps_per_epoch
+        self.period = charges.period  # steps between an example's chances to take part
+        self.batches = SamplingKind.parse(kind)
         self.steps_done = 0
         self._like = {name: torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
                       for name, p in params.items()}  # fmt: skip
 
     # -- before the step -------------------------------------------------------------------------
     def check(self, batch: DrawnBatch) -> None:
-        """The batch must be the next of the epoch order, and the plan must hold this step.
+        """The batch must be the next of the order (the epoch's, or the cycle of groups), and
+        the plan must hold this step.
 
         A skipped batch (a refused or failed step) would shift the stream against the data
         order, and a step beyond the plan would take part in rows of C the accounting never saw:
-        either could put an example in steps closer than an epoch apart.
+        either could put an example in steps closer together than the accounting assumes.
         """
         if self.steps_done >= self.steps:
             raise BatchRefused(
                 f"{self.label}'s strategy and its accounting cover the plan's {self.steps} "
                 "steps, all taken: plan more epochs or steps to train longer"
             )
-        expected = self.steps_done % self.steps_per_epoch
+        expected = self.steps_done % self.period
         if batch.epoch_position != expected:
             raise BatchRefused(
-                f"{self.label}'s noise stream is at batch {expected} of the epoch but the loader "
-                f"handed out batch {batch.epoch_position}: a batch was skipped (a refused or "
-                "failed step), so an example could take part in steps closer than an epoch "
-                "apart; reload the last checkpoint (PrivateTraining.load) and step on every "
-                "batch in order"
+                f"{self.label}'s noise stream is at batch {expected} of the "
+                f"{'cycle' if self.batches is SamplingKind.CYCLIC_POISSON else 'epoch'} but the "
+                f"loader handed out batch {batch.epoch_position}: a batch was skipped (a refused "
+                "or failed step), so an example could take part in steps closer together than "
+                "its accounting assumes; reload the last checkpoint (PrivateTraining.load) and "
+                "step on every batch in order"
             )
 
     def opening(self) -> None:
@@ -91,18 +98,18 @@ class FactorisedMechanism(abc.ABC):
         return None
 
     def sampling(self, record: SamplingRecord, batch: DrawnBatch) -> SamplingRecord:
-        """The record as the sampler made it: it describes the batch order only."""
-        if record.kind is not SamplingKind.FIXED_ORDER_EPOCHS:
+        """The record as the sampler made it: it describes how the batches were taken only."""
+        if record.kind is not self.batches:
             raise BatchRefused(
-                f"{self.label} needs batches in one order repeated every epoch "
-                f"('fixed-order-epochs'), got {record.kind.value!r}"
+                f"{self.label} was planned for {self.batches.value!r} batches, got "
+                f"{record.kind.value!r}"
             )
         return record
 
     def step_event(
         self, record: SamplingRecord, batch: DrawnBatch, noise_multiplier: float
     ) -> DpEvent:
-        """This step's share of the run's Gaussian: epoch j's increment at its first step."""
+        """This step's share of the run's event (:mod:`dpfy.plan.correlated_events`)."""
         return self.charges.step_event(self.steps_done, noise_multiplier)
 
     # -- the step ------------------------------------------------------------------------------
