@@ -132,7 +132,7 @@ def _dpfy_step(
     ``dpfy_fast_nonoise`` drives the engine alone (clip, sum at 1/B, SGD) to show its own cost.
     """
     from dpfy.data.provenance import Provenance
-    from dpfy.plan.resolvers import PlanRequest, make_plan
+    from dpfy.plan.variants import PlanRequest, make_plan
     from dpfy.train.grads import make_engine
     from dpfy.train.ledger import PrivacyLedger
     from dpfy.train.optim import DPOptimizer

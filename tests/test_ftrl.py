@@ -24,7 +24,6 @@ from dpfy.plan.accounting.accountant import UnsupportedEventError
 from dpfy.plan.accounting.events import GaussianEvent, NeighbouringRelation, TreeAggregationEvent
 from dpfy.plan.accounting.rdp import RdpAccountant
 from dpfy.plan.accounting.rdp_composition import rdp_curve
-from dpfy.plan.resolvers import PlanRequest, make_plan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.plan.tree_events import (
     charged_nodes,
@@ -33,6 +32,7 @@ from dpfy.plan.tree_events import (
     new_tree_nodes,
     resolve_restart,
 )
+from dpfy.plan.variants import PlanRequest, make_plan
 from dpfy.train.ledger import BudgetExhausted, PrivacyLedger
 from dpfy.train.noise.mechanisms import TreeAggregationMechanism
 from dpfy.train.noise.source import TorchNoise

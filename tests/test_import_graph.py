@@ -134,7 +134,7 @@ def test_planning_a_run_imports_no_torch():
         "import sys, pkgutil, importlib, dpfy.plan\n"
         "for m in pkgutil.walk_packages(dpfy.plan.__path__, 'dpfy.plan.'):\n"
         "    importlib.import_module(m.name)\n"
-        "from dpfy.plan.resolvers import PlanRequest, make_plan\n"
+        "from dpfy.plan.variants import PlanRequest, make_plan\n"
         "make_plan(PlanRequest(records=1000, batch_size=50, delta=1e-5, max_grad_norm=1.0,\n"
         "    epochs=2, target_epsilon=3.0))\n"
         "print('torch' in sys.modules)"

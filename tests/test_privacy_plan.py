@@ -14,8 +14,8 @@ from dpfy.data.loader import rest_of_run
 from dpfy.data.provenance import Provenance
 from dpfy.plan.accounting import make_accountant
 from dpfy.plan.accounting.events import SelfComposedEvent
-from dpfy.plan.resolvers import PlanRequest, make_plan, resolver_keys
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.plan.variants import PlanRequest, make_plan, variant_keys
 from dpfy.train.grads import make_engine
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.noise.mechanisms import MECHANISMS, GaussianMechanism
@@ -45,7 +45,7 @@ FEDERATED = {"dp-fedavg", "dp-fedsgd"}
 
 
 def test_every_resolver_has_a_training_variant_and_a_mechanism():
-    for algorithm, unit in resolver_keys():
+    for algorithm, unit in variant_keys():
         if algorithm not in FEDERATED:
             assert variant_for(algorithm, unit).unit == unit
         plan = make_plan(request(), algorithm, unit)

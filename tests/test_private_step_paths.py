@@ -14,9 +14,9 @@ from torch.utils.data import TensorDataset
 
 import dpfy
 from dpfy.data.provenance import Provenance
-from dpfy.plan.resolvers import PlanRequest, make_plan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.plan.tree_events import ftrl_step_events
+from dpfy.plan.variants import PlanRequest, make_plan
 from dpfy.train.checkpoints import seal, unseal
 from dpfy.train.grads import make_engine
 from dpfy.train.ledger import PrivacyLedger

@@ -42,8 +42,8 @@ from dpfy.federated.aggregate import (
     make_server_optimizer,
 )
 from dpfy.plan.privacy_plan import PrivacyPlan
-from dpfy.plan.resolvers import PlanRequest, make_plan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.plan.variants import PlanRequest, make_plan
 from dpfy.train.builder import warn_if_delta_too_large
 from dpfy.train.checks import check_model
 from dpfy.train.ledger import PrivacyLedger
@@ -207,7 +207,7 @@ def federated_plan(
     examples: int | None = None,
     seeded: bool = False,
 ) -> PrivacyPlan:
-    """The privacy plan of a federated run, from the same resolvers as every private run."""
+    """The privacy plan of a federated run, from the same variants registry as every private run."""
     return make_plan(
         PlanRequest(
             records=num_users,

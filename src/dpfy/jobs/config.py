@@ -17,6 +17,7 @@ from dpfy._validate import (
     check_seed,
 )
 from dpfy.jobs.access import ACCESS_NAMES as _ACCESS_NAMES
+from dpfy.plan.variants import trained_algorithms
 
 #: Datasets, models and gradient engines ``dpfy train`` offers, spelt out here so the CLI lists
 #: them without importing torch; a test holds each equal to its registry (datasets, models,
@@ -32,11 +33,9 @@ OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad")
 #: (user-level DP-SGD on :func:`dpfy.data.users.split_users`; batch_size then counts users).
 UNIT_NAMES = ("example", "user")
 
-#: Training algorithms ``dpfy train`` offers: DP-SGD (Poisson sampling), DP-FTRL (shuffled
-#: batches, tree-aggregation noise, no sampling assumption), BandMF or BLT (one batch order
-#: repeated every epoch, matrix-factorisation noise, no sampling assumption); all but DP-SGD at
-#: the example level only.
-ALGORITHM_NAMES = ("dp-sgd", "dp-ftrl", "bandmf", "blt")
+#: Training algorithms ``dpfy train`` offers: every variant make_private trains, as registered
+#: (dpfy.plan.variants): DP-SGD, DP-FTRL, BandMF, BLT; all but DP-SGD at the example level only.
+ALGORITHM_NAMES = trained_algorithms()
 
 #: Where DP applies (guide §3.2): full training (DP-SGD), label-only or input-level DP; the
 #: names come from the access-model registry (:mod:`dpfy.jobs.access`).

@@ -27,15 +27,14 @@ from dpfy.data.datasets import LoadedDataset
 from dpfy.jobs.config import TrainConfig
 from dpfy.plan.correlated_events import describe_strategy
 from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.variants import variant_for
 from dpfy.train.session import PrivateTraining
-
-#: How the progress bar and banner name each training algorithm.
-ALGORITHM_LABELS = {"dp-sgd": "DP-SGD", "dp-ftrl": "DP-FTRL", "bandmf": "BandMF", "blt": "BLT"}
 
 
 def algorithm_label(plan: PrivacyPlan) -> str:
-    """The name of the algorithm that runs, as the progress bar and banner show it."""
-    return ALGORITHM_LABELS.get(plan.algorithm, plan.algorithm.upper())
+    """The name of the algorithm that runs, as the progress bar and banner show it (its
+    registered variant's label)."""
+    return variant_for(plan.algorithm, plan.unit).label
 
 
 def banner(config: TrainConfig, data: LoadedDataset, private: PrivateTraining) -> str:

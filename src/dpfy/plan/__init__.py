@@ -10,10 +10,12 @@ from dpfy._lazy import lazy_exports
 
 _EXPORTS = {
     "PrivacyPlan": "dpfy.plan.privacy_plan",
-    "PlanRequest": "dpfy.plan.resolvers",
-    "make_plan": "dpfy.plan.resolvers",
-    "register_resolver": "dpfy.plan.resolvers",
-    "resolver_keys": "dpfy.plan.resolvers",
+    "PlanRequest": "dpfy.plan.variants",
+    "TrainingVariant": "dpfy.plan.variants",
+    "make_plan": "dpfy.plan.variants",
+    "register_variant": "dpfy.plan.variants",
+    "variant_for": "dpfy.plan.variants",
+    "variant_keys": "dpfy.plan.variants",
     "SamplingKind": "dpfy.plan.sampling",
     "SamplingRecord": "dpfy.plan.sampling",
     "group_privacy": "dpfy.plan.group_privacy",

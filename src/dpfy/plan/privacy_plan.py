@@ -1,7 +1,7 @@
 """The privacy plan: everything privacy-relevant about a run, fixed before the first step.
 
 Torch-free, so checkpoints, the cross-rank agreement check and reports read one object anywhere.
-A resolver per algorithm and clipping unit (:mod:`dpfy.plan.resolvers`) makes it; training
+The resolver of its training variant (:mod:`dpfy.plan.variants`) makes it; training
 components are chosen from it, and the ledger records what the sampler and engine then observed.
 """
 

@@ -36,6 +36,7 @@ from dpfy._validate import (
 from dpfy.audit.result import AuditResult
 from dpfy.audit.scope import check_behaviour_checks
 from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.variants import variant_keys
 from dpfy.report.access_facts import AccessFacts
 from dpfy.report.accounting import (
     STANDARD_DELTAS,
@@ -66,7 +67,7 @@ from dpfy.report.run_parts import (
     model_facts,
     preprocessing_steps,
 )
-from dpfy.report.wording import ALGORITHM_WORDING, SAMPLER_WORDING, wording_for
+from dpfy.report.wording import SAMPLER_WORDING, wording_for
 
 if TYPE_CHECKING:
     from dpfy.train.session import PrivateTraining
@@ -243,7 +244,7 @@ def _check_inputs(facts: RunFacts) -> None:
     choice("privacy.sampler", p.sampler, SAMPLER_WORDING)
     choice("privacy.loss_reduction", p.loss_reduction, LOSS_REDUCTIONS)
     choice("privacy.unit", p.unit, UNITS)
-    choice("privacy.algorithm", p.algorithm, ALGORITHM_WORDING)
+    choice("privacy.algorithm", p.algorithm, dict.fromkeys(a for a, _ in variant_keys()))
     try:
         wording_for(p)  # an algorithm at a unit of privacy the report cannot state
     except ValueError as err:

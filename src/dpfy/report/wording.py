@@ -3,7 +3,8 @@
 Sections and pitfall detectors read attributes of a :class:`Wording` looked up once from a run's
 privacy plan (:func:`wording_for`) instead of branching on mode names, so an algorithm or unit
 brings its own sentences here rather than a branch in every section. Variants are registered
-by (algorithm, unit), as the plan's resolvers are; a name without wording is one clear error.
+with the plan (:mod:`dpfy.plan.variants`): each brings its algorithm's sentences, and a name
+without wording is one clear error.
 Templates are filled with :meth:`str.format`; no sentence is rewritten after it is made.
 """
 
@@ -13,21 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from dpfy.plan.variants import TrainingVariant, variants
+from dpfy.plan.variants.text import AlgorithmText as AlgorithmWording
+
 if TYPE_CHECKING:
     from dpfy.plan.privacy_plan import PrivacyPlan
-
-
-@dataclass(frozen=True)
-class AlgorithmWording:
-    """How the report names one training algorithm and what it noises (guide §3, §4.2, §4.4)."""
-
-    name: str  # as in "full-training DP via {name}"
-    curator: str  # who sees the raw data, and what the guarantee protects
-    guide: str  # where the guide describes the setting
-    released_from: str  # what the released models are computed from
-    steps: str  # what the ε counts, in the plural
-    accounting: str  # how it is accounted; fields {accountant}, {sigma}, {q}
-    clipped: str  # the vector clipped once per unit, as in "per-example {clipped} norms"
 
 
 @dataclass(frozen=True)
@@ -88,100 +79,9 @@ class Wording:
         )
 
 
-# -- algorithms -----------------------------------------------------------------------------------
+# -- algorithms: each variant brings its own words (dpfy.plan.variants) ----------------------------
 
-
-def _gaussian_accounting(clipped_sum: str) -> str:
-    """A subsampled-Gaussian accounting statement, noise on the sum of clipped ``clipped_sum``."""
-    return (
-        "Accounted with the {accountant} accountant over every recorded step: each step is the "
-        "subsampled Gaussian mechanism with noise multiplier σ = {sigma:.6g} (noise std "
-        f"σ·sensitivity on the sum of clipped {clipped_sum}, decoupled from C, guide §4.2) at "
-        "sampling rate q = {q:.6g}."
-    )
-
-
-_TREE_ACCOUNTING = (  # Kairouz et al. 2021, App. D; dpfy.plan.tree_events
-    "DP-FTRL with tree aggregation, accounted with the {accountant} accountant and NO sampling "
-    "assumption: every node of the binary tree over the steps carries Gaussian noise of std "
-    "σ·sensitivity (σ = {sigma:.6g}); one example's clipped gradient sits in at most "
-    "⌈log₂(T+1)⌉ nodes of a tree of T steps and enters each tree at most once, so each epoch is "
-    "a Gaussian mechanism of noise σ/√⌈log₂(T+1)⌉ and epochs compose. Adjacency replaces an "
-    "example by a null one (the order is kept)."
-)
-_CENTRAL = (
-    "a trusted curator: the training process sees the raw private data, and only its outputs "
-    "are protected"
-)
-
-
-def _factorised_accounting(name: str) -> str:
-    """Matrix-factorisation noise (dpfy.plan.correlated_events), accounted by participation."""
-    return (
-        f"{name} matrix-factorisation noise, accounted with the {{accountant}} accountant: step t "
-        "adds σ·sensitivity·(C⁻¹z)_t to its clipped sum, z fresh N(0, I) every step "
-        "(σ = {sigma:.6g}), so the noise is correlated across steps and partly cancels in the "
-        "running sum. Strategy C: {strategy}, optimised for this run's {planned} steps and its "
-        "participation when the run was planned. {charged}"
-    )
-
-
-def _federated(name: str) -> AlgorithmWording:
-    """dpfy.federated: the server is the trusted curator and each round is one noised average."""
-    return AlgorithmWording(
-        name=name,
-        curator=(
-            "a trusted aggregator: the server sees each sampled user's model change in the "
-            "clear, and only the noised global models are protected"
-        ),
-        guide="guide §3.1–§3.2, §4.4",
-        released_from="the noised averages of clipped user model changes",
-        steps="noised rounds",
-        accounting=_gaussian_accounting("user model changes"),
-        clipped="model-change",
-    )
-
-
-ALGORITHM_WORDING: dict[str, AlgorithmWording] = {
-    "dp-sgd": AlgorithmWording(
-        name="DP-SGD",
-        curator=_CENTRAL,
-        guide="guide §3.1–§3.2",
-        released_from="the noised gradients",
-        steps="noised gradient steps",
-        accounting=_gaussian_accounting("gradients"),
-        clipped="gradient",
-    ),
-    "dp-ftrl": AlgorithmWording(
-        name="DP-FTRL (Kairouz et al. 2021)",
-        curator=_CENTRAL,
-        guide="guide §3.1–§3.2",
-        released_from="the noised gradients",
-        steps="noised gradient steps",
-        accounting=_TREE_ACCOUNTING,
-        clipped="gradient",
-    ),
-    "bandmf": AlgorithmWording(
-        name="BandMF (banded matrix factorisation, Choquette-Choo et al. 2023; McKenna 2024)",
-        curator=_CENTRAL,
-        guide="guide §3.1–§3.2",
-        released_from="the noised gradients",
-        steps="noised gradient steps",
-        accounting=_factorised_accounting("BandMF (banded)"),
-        clipped="gradient",
-    ),
-    "blt": AlgorithmWording(
-        name="BLT (buffered linear Toeplitz matrix factorisation, Dvijotham, McMahan et al. 2024)",
-        curator=_CENTRAL,
-        guide="guide §3.1–§3.2",
-        released_from="the noised gradients",
-        steps="noised gradient steps",
-        accounting=_factorised_accounting("BLT (buffered linear Toeplitz)"),
-        clipped="gradient",
-    ),
-    "dp-fedavg": _federated("DP-FedAvg"),
-    "dp-fedsgd": _federated("DP-FedSGD"),
-}
+ALGORITHM_WORDING: dict[str, AlgorithmWording] = {v.algorithm: v.text for v in variants()}
 
 # -- units of privacy -----------------------------------------------------------------------------
 
@@ -225,43 +125,20 @@ def _per_user(contribution: str) -> str:
     )
 
 
-def _federated_variant(name: str) -> VariantWording:
-    """DP-FedAvg / DP-FedSGD (guide alg. 2): a user's whole model change is the clipped unit."""
+def _variant_wording(variant: TrainingVariant) -> VariantWording:
+    """One registered variant's phrases: its algorithm's words at its unit of privacy."""
+    if variant.user_text is None:
+        return VariantWording(variant.text, UNIT_WORDING[variant.unit], _PER_EXAMPLE, _MICROBATCH)
     return VariantWording(
-        ALGORITHM_WORDING[name],
+        variant.text,
         UNIT_WORDING["user"],
-        _per_user("model change after local training"),
-        detail=_USERS_HOLD
-        + "each round samples users with probability q = {q:.6g}, each sampled user trains "
-        "locally on their own examples, and their whole model change is clipped to C as one "
-        f"unit ({ALGORITHM_WORDING[name].name}, guide alg. 2, McMahan et al. 2018).",
+        _per_user(variant.user_text.clipped),
+        detail=_USERS_HOLD + variant.user_text.detail,
     )
 
 
 VARIANT_WORDING: dict[tuple[str, str], VariantWording] = {
-    ("dp-sgd", "example"): VariantWording(
-        ALGORITHM_WORDING["dp-sgd"], UNIT_WORDING["example"], _PER_EXAMPLE, _MICROBATCH
-    ),
-    ("dp-sgd", "user"): VariantWording(  # user-level DP-SGD, McMahan et al. 2018
-        ALGORITHM_WORDING["dp-sgd"],
-        UNIT_WORDING["user"],
-        _per_user("mean gradient"),
-        detail=_USERS_HOLD
-        + "each step samples users (not examples) with probability q = {q:.6g}, and each "
-        "sampled user's gradient is the mean over {used}, clipped to C as one unit (user-level "
-        "DP-SGD, McMahan et al. 2018).",
-    ),
-    ("dp-ftrl", "example"): VariantWording(
-        ALGORITHM_WORDING["dp-ftrl"], UNIT_WORDING["example"], _PER_EXAMPLE, _MICROBATCH
-    ),
-    ("bandmf", "example"): VariantWording(
-        ALGORITHM_WORDING["bandmf"], UNIT_WORDING["example"], _PER_EXAMPLE, _MICROBATCH
-    ),
-    ("blt", "example"): VariantWording(
-        ALGORITHM_WORDING["blt"], UNIT_WORDING["example"], _PER_EXAMPLE, _MICROBATCH
-    ),
-    ("dp-fedavg", "user"): _federated_variant("dp-fedavg"),
-    ("dp-fedsgd", "user"): _federated_variant("dp-fedsgd"),
+    variant.key: _variant_wording(variant) for variant in variants()
 }
 
 # -- samplers (by dpfy.plan.sampling.SamplingKind value) ------------------------------------------
@@ -403,17 +280,22 @@ def sampler_wording(sampler: str) -> SamplerWording:
 
 
 def wording_for(plan: PrivacyPlan) -> Wording:
-    """The phrases for ``plan``: its algorithm at its unit of privacy, and its sampler."""
-    known("algorithm", plan.algorithm, ALGORITHM_WORDING)
+    """The phrases for ``plan``: its algorithm at its unit of privacy, and its sampler.
+
+    Read from the registered variants at call time, so a variant registered after this module
+    was imported is worded too.
+    """
+    registered = {variant.key: variant for variant in variants()}
+    known("algorithm", plan.algorithm, {a: v for (a, _), v in registered.items()})
     unit_wording(plan.unit)
-    variant = VARIANT_WORDING.get((plan.algorithm, plan.unit))
+    variant = registered.get((plan.algorithm, plan.unit))
     if variant is None:
-        worded = ", ".join(f"{a} at the {u} level" for a, u in VARIANT_WORDING)
+        worded = ", ".join(f"{a} at the {u} level" for a, u in registered)
         raise ValueError(
             f"the report has no wording for {plan.algorithm} at the {plan.unit} level; it words "
             f"{worded}"
         )
-    return Wording(variant, sampler_wording(plan.sampler))
+    return Wording(_variant_wording(variant), sampler_wording(plan.sampler))
 
 
 __all__ = [

@@ -1,7 +1,7 @@
 """``make_private``: one call turns a model, optimizer and dataset into a private training run.
 
 One builder for every variant: the request becomes a :class:`~dpfy.plan.privacy_plan.PrivacyPlan`
-through the resolver of its (algorithm, unit) (:mod:`dpfy.plan.resolvers`), the variant's loader
+through the resolver of its training variant (:mod:`dpfy.plan.variants`), the variant's loader
 draws the records the plan describes (:mod:`dpfy.train.variants`), and the same private step
 (:class:`~dpfy.train.optim.DPOptimizer`) with the plan's noise mechanism trains every one of
 them. It checks the model first (guide §5.5.1) and returns one :class:`PrivateTraining`.
@@ -22,8 +22,8 @@ from dpfy._validate import check_delta, check_positive
 from dpfy.data.check_schedule import CheckSchedule
 from dpfy.data.from_dataloader import unpack_dataloader
 from dpfy.data.loader import DPDataLoader, checked_loader_options
-from dpfy.plan.resolvers import PlanRequest, make_plan
 from dpfy.plan.sampling import SamplingKind
+from dpfy.plan.variants import PlanRequest, make_plan
 from dpfy.train.behaviour.checks import BehaviourChecks
 from dpfy.train.checks import check_model
 from dpfy.train.distributed import (

@@ -95,7 +95,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already private; pass the plain torch optimizer")
         if not isinstance(plan, PrivacyPlan):
-            raise ValueError("plan must be the run's PrivacyPlan (dpfy.plan.resolvers.make_plan)")
+            raise ValueError("plan must be the run's PrivacyPlan (dpfy.plan.variants.make_plan)")
         if plan.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {plan.loss_reduction!r}")
         _check_ledger_fits(ledger, plan)

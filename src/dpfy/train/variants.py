@@ -1,9 +1,9 @@
 """What each (algorithm, sampling unit) needs from torch: its records, its loader, its reach.
 
-The plan side of a variant is its resolver (:mod:`dpfy.plan.resolvers`); the training side is
-registered here under the same key: how the sampled records are counted, which loader draws
-them, and whether it runs across ranks. The builder (:mod:`dpfy.train.builder`) looks both up;
-nothing downstream branches on the variant's name.
+The plan side of a variant is its registered :class:`~dpfy.plan.variants.TrainingVariant`; the
+training side is built here from what it names: how the sampled records are counted, which
+loader draws them, and whether it runs across ranks. The builder (:mod:`dpfy.train.builder`)
+looks both up; nothing downstream branches on the variant's name.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dpfy.data.ordered_sampling import OrderedSampler, RepeatedOrderSampler
 from dpfy.data.sampling import DpBatchSampler, check_batch_size, epoch_length
 from dpfy.data.user_sampling import UserDataLoader, check_user_ids, user_sampling_rate
 from dpfy.plan.privacy_plan import PrivacyPlan
-from dpfy.plan.resolvers import resolver_key
 from dpfy.plan.sampling import SamplingKind
+from dpfy.plan.variants import variant_for as plan_variant
 from dpfy.train.distributed import ProcessGroupReplicas, SingleProcess
 
 __all__ = ["LoaderInputs", "Records", "Variant", "variant_for"]
@@ -158,21 +158,28 @@ def _factorised_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
     return _example_loader(plan, inputs, sampler)
 
 
-_VARIANTS: dict[tuple[str, str], Variant] = {
-    ("dp-sgd", "example"): Variant("example", _examples, _sampled_loader, distributed=True),
-    ("dp-sgd", "user"): Variant("user", _users, _user_loader, virtual_batches=False),
-    ("dp-ftrl", "example"): Variant("example", _examples, _ordered_loader),
-    ("bandmf", "example"): Variant("example", _examples, _factorised_loader),
-    ("blt", "example"): Variant("example", _examples, _factorised_loader),
+#: The loaders by the batch selection a plan-side variant names (its ``batches``).
+BATCH_SELECTIONS: dict[str, Callable[[PrivacyPlan, LoaderInputs], DPDataLoader]] = {
+    "sampled": _sampled_loader,
+    "users": _user_loader,
+    "ordered": _ordered_loader,
+    "factorised": _factorised_loader,
 }
+#: How the sampled records are counted, by unit.
+_COUNTS = {"example": _examples, "user": _users}
 
 
 def variant_for(algorithm: str, unit: str) -> Variant:
-    """The training side of (``algorithm``, ``unit``); its plan side must exist too."""
-    key = resolver_key(algorithm, unit)  # refuses an unknown pair, naming the choices
-    if key not in _VARIANTS:
-        raise ValueError(
-            f"{key[0]} per {unit} is not trained by make_private; "
-            f"use {'dpfy.federated' if key[0].startswith('dp-fed') else 'another algorithm'}"
+    """The training side of (``algorithm``, ``unit``), from its registered variant."""
+    spec = plan_variant(algorithm, unit)  # refuses an unknown pair, naming the choices
+    if spec.batches is None:
+        raise ValueError(  # the federated algorithms: a round is local training, not a step
+            f"{spec.algorithm} per {unit} is not trained by make_private; use dpfy.federated"
         )
-    return _VARIANTS[key]
+    return Variant(
+        unit,
+        _COUNTS[unit],
+        BATCH_SELECTIONS[spec.batches],
+        distributed=spec.distributed,
+        virtual_batches=spec.virtual_batches,
+    )
