@@ -7,6 +7,7 @@ own per-step events, the plan, the loop, checkpoints, the report and the CLI.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 import warnings
@@ -549,6 +550,27 @@ def test_dpfy_train_algorithm_blt_on_digits_names_the_mechanism(tmp_path):
     card = (out / "report.md").read_text()
     assert "BLT (buffered linear Toeplitz) matrix-factorisation noise" in card
     assert "BLT, 4 buffers" in card and "min-separation" in card
+
+
+def test_dpfy_train_takes_the_sampler_and_strategy_size_of_the_variant(tmp_path):
+    from typer.testing import CliRunner
+
+    from dpfy.cli.app import app
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(
+        app, ["train", "--algorithm", "bandmf", "--sampler", "cyclic-poisson", "--bands", "2",
+              "--epochs", "1", "--model", "logreg", "--out", str(out), "--quiet"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stdout + result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["sampler"], config["bands"]) == ("cyclic-poisson", 2)
+    assert "cyclic" in (out / "report.md").read_text().lower()
+    refused = CliRunner().invoke(
+        app, ["train", "--algorithm", "dp-sgd", "--buffers", "2", "--out", str(tmp_path / "x")]
+    )
+    assert refused.exit_code == 2 and "buffers not supported with DP-SGD" in refused.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_checkpoint_from_before_the_strategy_field_still_resumes(tmp_path):

@@ -41,6 +41,7 @@ from dpfy.jobs.config import (
     MAX_EPOCHS,
     MODEL_NAMES,
     OPTIMIZER_NAMES,
+    SAMPLER_NAMES,
     UNIT_NAMES,
     TrainConfig,
     default_user_batch,
@@ -282,6 +283,7 @@ TuneDatasetChoice = choices("TuneDatasetChoice", TUNING_DATASET_NAMES)
 ModelChoice = choices("ModelChoice", MODEL_NAMES)
 EngineChoice = choices("EngineChoice", ENGINE_NAMES)
 AlgorithmChoice = choices("AlgorithmChoice", ALGORITHM_NAMES)
+SamplerChoice = choices("SamplerChoice", SAMPLER_NAMES)
 AccessChoice = choices("AccessChoice", ACCESS_NAMES)
 LabelMechanismChoice = choices("LabelMechanismChoice", LABEL_MECHANISM_NAMES)
 SearchChoice = choices("SearchChoice", SEARCH_NAMES)
@@ -442,6 +444,20 @@ def train(
             "blt (matrix-factorisation noise over one batch order repeated every epoch)."
         ),
     ] = _ALGORITHM,
+    sampler: Annotated[
+        SamplerChoice | None,
+        typer.Option(
+            help="How batches are drawn, where the algorithm offers a choice: dp-sgd poisson "
+            "(default), shuffle or fixed-size; dp-ftrl shuffle (default) or fixed-order; bandmf "
+            "fixed-order (default) or cyclic-poisson (amplified BandMF); blt fixed-order."
+        ),
+    ] = None,
+    bands: Annotated[
+        int | None, typer.Option(help="--algorithm bandmf: bands of the strategy (default 16).")
+    ] = None,
+    buffers: Annotated[
+        int | None, typer.Option(help="--algorithm blt: buffers of the strategy (default 4).")
+    ] = None,
     access: Annotated[
         AccessChoice,
         typer.Option(

@@ -17,7 +17,7 @@ from dpfy._validate import (
     check_seed,
 )
 from dpfy.jobs.access import ACCESS_NAMES as _ACCESS_NAMES
-from dpfy.plan.variants import trained_algorithms
+from dpfy.plan.variants import trained_algorithms, variant_keys
 
 #: Datasets, models and gradient engines ``dpfy train`` offers, spelt out here so the CLI lists
 #: them without importing torch; a test holds each equal to its registry (datasets, models,
@@ -36,6 +36,9 @@ UNIT_NAMES = ("example", "user")
 #: Training algorithms ``dpfy train`` offers: every variant make_private trains, as registered
 #: (dpfy.plan.variants): DP-SGD, DP-FTRL, BandMF, BLT; all but DP-SGD at the example level only.
 ALGORITHM_NAMES = trained_algorithms()
+
+#: ``--sampler`` names; which fit which algorithm is the variant's resolver's word.
+SAMPLER_NAMES = ("poisson", "shuffle", "fixed-size", "fixed-order", "cyclic-poisson")
 
 #: Where DP applies (guide §3.2): full training (DP-SGD), label-only or input-level DP; the
 #: names come from the access-model registry (:mod:`dpfy.jobs.access`).
@@ -91,6 +94,13 @@ class TrainConfig:
     users: int = 100
     max_examples_per_user: int | None = None
     algorithm: str = "dp-sgd"
+    #: How batches are drawn, when the algorithm offers a choice (None: its default): DP-SGD
+    #: poisson | shuffle | fixed-size, DP-FTRL shuffle | fixed-order, BandMF fixed-order |
+    #: cyclic-poisson (amplified BandMF), BLT fixed-order. The variant's resolver checks it.
+    sampler: str | None = None
+    #: BandMF's bands and BLT's buffers (None: the variant's default).
+    bands: int | None = None
+    buffers: int | None = None
     access: str = "full"
     label_mechanism: str = "rr"
     stages: int = 1
@@ -131,8 +141,16 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(
             f"algorithm must be one of {', '.join(ALGORITHM_NAMES)}; got {config.algorithm!r}"
         )
-    if config.algorithm != "dp-sgd" and config.unit != "example":
-        raise ValueError(f"--algorithm {config.algorithm} needs --unit example")
+    units = [unit for name, unit in variant_keys() if name == config.algorithm]
+    if config.unit not in units:
+        raise ValueError(f"--algorithm {config.algorithm} needs --unit {' or '.join(units)}")
+    if config.sampler is not None and config.sampler not in SAMPLER_NAMES:
+        raise ValueError(
+            f"sampler must be one of {', '.join(SAMPLER_NAMES)}; got {config.sampler!r}"
+        )
+    for name in ("bands", "buffers"):
+        if getattr(config, name) is not None:
+            check_count(name, getattr(config, name), minimum=1)
     _check_access(config)
 
 

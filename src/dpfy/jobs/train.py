@@ -210,6 +210,9 @@ def _make_run(config: TrainConfig, data: LoadedDataset) -> tuple[PrivateTraining
         user_ids=None if split is None else split.user_ids,
         max_examples_per_user=None if split is None else config.max_examples_per_user,
         algorithm=config.algorithm,
+        sampler=config.sampler,
+        bands=config.bands,
+        buffers=config.buffers,
         criterion=nn.CrossEntropyLoss(),  # the loop calls private.criterion: the loss is probed
     )
     return private, split
