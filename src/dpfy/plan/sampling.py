@@ -97,7 +97,7 @@ _DESCRIPTIONS = {
 TREE_KINDS = frozenset({SamplingKind.TREE_SHUFFLE, SamplingKind.TREE_FIXED_ORDER})
 
 #: Kinds that state how batches were taken but carry no privacy event of their own: the noise
-#: mechanism supplies each step's event (design rule 20: samplers describe sampling only).
+#: mechanism supplies each step's event (samplers describe sampling only).
 MECHANISM_ACCOUNTED_KINDS = frozenset(
     {SamplingKind.FIXED_ORDER_EPOCHS, SamplingKind.CYCLIC_POISSON}
 )

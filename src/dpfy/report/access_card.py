@@ -92,7 +92,7 @@ def _accounting_lines(run: AccessRun) -> list[str]:
 
 
 def render_access_report(run: AccessRun, findings: tuple[Finding, ...]) -> str:
-    """The report card as Markdown: released and public facts only (design rule 19).
+    """The report card as Markdown: released and public facts only (released facts only).
 
     The test accuracy of the released model is stated; a non-private baseline, trained without
     noise on the true private data, is not released by the mechanism and is kept in

@@ -6,7 +6,7 @@ section is built by one declared function, and the Markdown is rendered from the
 card exports, so the two never disagree.
 
 The card is what a user publishes, so it holds only what the mechanism released and public facts
-(design rule 19): the plan and hyperparameters, the ledger's ε, the model's counts, declared
+(released facts only): the plan and hyperparameters, the ledger's ε, the model's counts, declared
 facts (dataset name and size, preprocessing, what is released), the software, the released
 model's held-out test accuracy and the pitfalls found from those. Un-noised statistics of the
 private data — per-example gradient norms, a non-private baseline, the checks that read them —

@@ -1,7 +1,7 @@
 """A run's un-noised diagnostics of its private data: ``diagnostics.md`` / ``diagnostics.json``.
 
 The card (:mod:`dpfy.report.card`) is what a user publishes, so it holds only what the
-mechanism released and public facts (design rule 19). Everything else a run measured goes here,
+mechanism released and public facts (released facts only). Everything else a run measured goes here,
 in a file whose first line says it must not be published. How each figure a run records is
 classified:
 

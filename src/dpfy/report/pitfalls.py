@@ -74,7 +74,7 @@ Detector = Callable[[RunFacts], Iterable[Finding]]
 DETECTORS: dict[str, Detector] = {}
 #: The detectors that read un-noised statistics of the private data (the gradient norms). What
 #: they find is itself such a statistic ("C is 20× the median norm"), so their findings go to the
-#: diagnostics file, never to the card meant for publication (design rule 19).
+#: diagnostics file, never to the card meant for publication (released facts only).
 READS_DIAGNOSTICS: set[str] = set()
 
 

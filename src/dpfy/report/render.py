@@ -3,7 +3,7 @@
 :func:`write_report` writes ``facts.json`` (the run's own record) beside the card meant for
 publication (``report.md``, ``report.json``, ``epsilon.png``, ``training.png``) and the run's
 un-noised diagnostics of the private data, marked not for publication (``diagnostics.md``,
-``diagnostics.json``, ``diagnostics.png``; design rule 19). :func:`render_run` (what ``dpfy
+``diagnostics.json``, ``diagnostics.png``; released facts only). :func:`render_run` (what ``dpfy
 report RUN_DIR`` prints) re-renders either from the facts file alone. A re-rendered report
 recomputes ε from the stored events and never trusts a stored number, so an edited file is
 refused, not printed. The card itself is :mod:`dpfy.report.card`; the diagnostics

@@ -1,7 +1,7 @@
 """Report items 8–9 (guide §5.3.3) and the rest: hyperparameters, software, pitfalls, the run
 and its released results.
 
-Nothing here states an un-noised statistic of the private data (design rule 19): the pitfalls
+Nothing here states an un-noised statistic of the private data (released facts only): the pitfalls
 are those of the detectors that read released or public facts, and the results are the released
 model's held-out accuracy; the rest is :mod:`dpfy.report.diagnostics`'s file.
 """

@@ -3,8 +3,8 @@
 A section is a JSON key, a Markdown heading, a builder (facts, pitfall findings and the run's
 wording → JSON-ready data) and a renderer (that data → Markdown lines), so the Markdown is
 rendered from the same JSON the card exports and the two never disagree. Every section states
-only what the mechanism released and public facts (design rule 19); the un-noised diagnostics of
-the private data are :mod:`~dpfy.report.diagnostics`'s. The sections of the §5.3.3 list live in
+only what the mechanism released and public facts; the un-noised diagnostics of the private
+data are :mod:`~dpfy.report.diagnostics`'s. The sections of the §5.3.3 list live in
 :mod:`~dpfy.report.setting_sections`, :mod:`~dpfy.report.accounting_sections` and
 :mod:`~dpfy.report.run_sections`.
 """

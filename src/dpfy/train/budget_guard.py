@@ -1,10 +1,11 @@
 """The budget guard: refuses a step that would take ε past the target, before it is applied.
 
 Apart from the record store so that what may run is decided in one place, from what the store
-says happened (design rule 9). Checking a step must be cheap — it runs before every step — so the
-guard keeps caches the store knows nothing about: how many more steps like the last one fit
-(counted down as they are recorded), a certificate covering a σ or q schedule
-(:mod:`dpfy.train.budget_certificate`), and an additive accountant's running state. The ledger
+says happened: a step that would exceed the budget is refused before it changes anything.
+Checking a step must be cheap — it runs before every step — so the guard keeps caches the
+store knows nothing about: how many more steps like the last one fit (counted down as they are
+recorded), a certificate covering a σ or q schedule (:mod:`dpfy.train.budget_certificate`), and
+an additive accountant's running state. The ledger
 tells the guard of every record it stores (:meth:`BudgetGuard.recorded_step`,
 :meth:`BudgetGuard.recorded_event`), and the guard keeps each cache exact or drops it.
 """

@@ -7,8 +7,8 @@ step t adds w_t = (C⁻¹ z)_t to its clipped sum. Here every step draws a fresh
 each strategy keeps (:mod:`dpfy.train.noise.banded`: the last b − 1 outputs; :mod:`.blt`: d
 running sums). The buffers are the mechanism's state and travel in checkpoints, so a resumed run
 continues the same correlated stream exactly once; z itself is never saved, and a resumed run
-draws it from a fresh stream (design rule 18). Every trainable parameter gets w_t every step,
-whatever its gradient.
+draws it from a fresh stream: noise is never replayed. Every trainable parameter gets w_t every
+step, whatever its gradient.
 
 The sampling record of these batches carries no event of its own: the mechanism charges each
 step its share of the run's event (:mod:`dpfy.plan.correlated_events`: a Gaussian increment per

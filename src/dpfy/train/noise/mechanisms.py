@@ -10,7 +10,7 @@ correlated noise). A mechanism registers under the plan's ``mechanism`` name.
 
 A mechanism also says what each step costs when the sampling record cannot
 (:meth:`NoiseMechanism.step_event`): correlated noise is accounted by its participation schema,
-and a sampler only describes how the batches were taken (design rule 20).
+and a sampler only describes how the batches were taken (samplers describe sampling only).
 
 Every mechanism works at the divisor's scale: the sums it receives are already ÷ B and ``std``
 is the per-coordinate std of its noise on such a sum (σ · sensitivity / B, per rank's share).
