@@ -214,3 +214,44 @@ def test_a_malformed_behaviour_check_is_one_error_line_naming_it(trained, tmp_pa
     assert code == 2 and stdout == ""
     (line,) = stderr.strip().splitlines()
     assert "behaviour_checks.loss.status" in line and "not run" in line
+
+
+# --- matrix-factorisation noise: the whole run re-run (issue 30, item 2) ------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_bandmf(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("audit-bandmf") / "run"
+    _, _, stderr = dpfy(
+        "train", "--algorithm", "bandmf", "--model", "logreg", "--epochs", "2", "--out", str(out)
+    )
+    assert (out / "facts.json").is_file(), stderr
+    return out
+
+
+def test_a_bandmf_run_is_audited_whole_beside_its_claim_and_says_what_it_audited(trained_bandmf):
+    from dpfy.jobs.audit import DEFAULT_FACTORISED_BLOCKS, default_blocks, load_run
+
+    facts = load_run(trained_bandmf)
+    assert default_blocks(facts) == DEFAULT_FACTORISED_BLOCKS  # whole re-runs, not 200 steps
+    code, stdout, stderr = dpfy(
+        "audit", str(trained_bandmf), "--method", "both", "--canaries", "300", "--blocks", "5",
+        "--seed", "0",
+    )  # fmt: skip
+    assert code == 0, stderr
+    said = " ".join(stdout.split())
+    assert "re-runs the run's private step (bandmf per example" in said
+    assert "matrix-factorisation noise (BandMF," in said and "re-runs all 22 steps" in said
+    assert "330 steps, about" in said  # (5 in + 5 out + 5 one-run) whole runs of 22 steps
+    assert "classical: ε̂ = " in said and "one-run: ε̂ = " in said
+    assert said.count("≤ the claim, for what was audited") == 2
+    assert "audited: the run's privacy plan" in said and "noise mechanism" in said
+    claim = facts.accounting.summary.total_epsilon
+    for audit in json.loads((trained_bandmf / "audit.json").read_text())["audits"][-2:]:
+        assert audit["claimed_epsilon"] == pytest.approx(claim, rel=1e-6)  # the whole run's ε
+        assert audit["epsilon_lower_bound"] <= audit["claimed_epsilon"]
+        assert audit["scope"] == "private-step" and audit["threat_model"] == "white-box"
+        assert any(note.startswith("mechanism: BandMF") for note in audit["notes"])
+        assert any("one whole run of T = 22 steps" in note for note in audit["notes"])
+    report = (trained_bandmf / "report.md").read_text()
+    assert "one trial = one canary in one whole run of T = 22 steps" in report

@@ -7,6 +7,12 @@ canaries reach the update only through the run's sampler, clipping, noise, divis
 The auditor sees every intermediate model (the white-box threat model of Nasr et al. 2023): the
 observed update of each step, −Δθ (SGD, learning rate 1), normalised by B/C so that a clipped
 canary adds exactly 1 (sensitivity C) and the noise has std σ.
+
+A matrix-factorisation run (BandMF, BLT: ``plan.strategy`` is set) is re-run whole: its
+settings carry the planned steps T and the strategy, the audit session plans the same T steps
+with the same bands or buffers (the optimisers are deterministic, so the strategy comes out the
+same, and a session whose plan differs is refused), and one block is the whole run
+(:mod:`dpfy.audit.correlated`).
 """
 
 from __future__ import annotations
@@ -22,11 +28,15 @@ import torch
 
 from dpfy.audit.canaries import CanaryDesign, CanaryModel, canary_rows
 from dpfy.data.loader import rest_of_run
+from dpfy.plan.correlated.banded import BandedStrategy
+from dpfy.plan.correlated_events import CORRELATED_MECHANISMS, decode_strategy
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.train.builder import make_private
 
 #: The samplers make_private names for DP-FTRL, from the plan's sampler names.
 _TREE_SAMPLERS = {"tree-shuffle": "shuffle", "tree-fixed-order": "fixed-order"}
+#: The algorithms whose noise is a matrix factorisation's (a strategy in the plan).
+FACTORISED_ALGORITHMS = tuple(CORRELATED_MECHANISMS.values())
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,11 @@ class StepSettings:
     restart_every: int | None = None
     tree: str | None = None
     loss_reduction: str = "mean"
+    #: Matrix-factorisation runs only: the planned steps T (one whole run), the plan's
+    #: mechanism ("banded-mf", "blt") and its strategy tuple (None: planned by the first session).
+    steps: int | None = None
+    mechanism: str = "gaussian"
+    strategy: tuple[float, ...] | None = None
 
     @classmethod
     def from_plan(cls, plan: PrivacyPlan) -> StepSettings:
@@ -61,12 +76,7 @@ class StepSettings:
             )
         if plan.world_size != 1:
             raise ValueError("audit a distributed run's step in one process (world_size 1)")
-        if plan.strategy is not None:
-            raise ValueError(
-                f"a white-box audit of {plan.algorithm}'s matrix-factorisation noise is not "
-                "supported: its steps are correlated across the whole run, so no block of steps "
-                "is an independent trial; audit a DP-SGD or DP-FTRL run instead"
-            )
+        factorised = plan.strategy is not None
         return cls(
             records=plan.dataset_size,
             batch_size=plan.expected_batch_size,
@@ -81,26 +91,74 @@ class StepSettings:
             restart_every=plan.restart_every,
             tree=plan.tree,
             loss_reduction=plan.loss_reduction,
+            steps=plan.steps if factorised else None,
+            mechanism=plan.mechanism,
+            strategy=plan.strategy,
         )
+
+    @property
+    def factorised(self) -> bool:
+        """Whether the run's noise is a matrix factorisation's (BandMF, BLT), correlated over
+        the whole run."""
+        return self.algorithm in FACTORISED_ALGORITHMS
+
+    def strategy_size(self) -> dict[str, int]:
+        """The bands (BandMF) or buffers (BLT) that plan this run's strategy again; {} when the
+        strategy is not known yet (the resolver's default then)."""
+        if self.strategy is None:
+            return {}
+        strategy = decode_strategy(self.mechanism, self.strategy)
+        if isinstance(strategy, BandedStrategy):
+            return {"bands": strategy.bands}
+        return {"buffers": max(1, strategy.buffers)}
 
     def calibrated(self, epsilon: float, blocks: int = 1) -> StepSettings:
         """These settings with σ calibrated so that ``blocks`` blocks (trials) claim ``epsilon``.
 
         Calibrated by make_private itself (its accountant and resolver), on the audit records.
+        A matrix-factorisation run's block is the whole run (``blocks`` must be 1), and its
+        planned mechanism, strategy, sampler and relation are filled in from the plan.
         """
+        if self.factorised and blocks != 1:
+            raise ValueError(
+                f"one block of a {self.algorithm} audit is the whole run of {self.steps} steps; "
+                "calibrate it with blocks=1"
+            )
         rows = _Rows(torch.zeros(0, 1), self.records)
         steps = blocks * self.steps_per_block
         private = _private_session(self, CanaryModel(1), rows, steps, 0, epsilon)
         private.engine.detach()
-        return dataclasses.replace(self, noise_multiplier=private.plan.noise_multiplier)
+        calibrated = dataclasses.replace(self, noise_multiplier=private.plan.noise_multiplier)
+        return calibrated.planned_as(private.plan) if self.factorised else calibrated
+
+    def planned_as(self, plan: PrivacyPlan) -> StepSettings:
+        """A matrix-factorisation audit's settings with what ``plan`` fixed: its mechanism,
+        strategy, sampler and relation (σ stays these settings')."""
+        return dataclasses.replace(
+            self,
+            mechanism=plan.mechanism,
+            strategy=plan.strategy,
+            sampler=plan.sampler,
+            relation=plan.relation,
+            steps=plan.steps,
+        )
 
     @property
     def steps_per_block(self) -> int:
-        """Steps of one independent trial: one step, or one epoch of DP-FTRL's trees.
+        """Steps of one independent trial: one step, one epoch of DP-FTRL's trees, or the
+        whole run of a matrix-factorisation mechanism.
 
         DP-FTRL's noise is correlated across the steps of a tree, so its steps are not
-        independent trials; an epoch (whole trees, the canary once) is.
+        independent trials; an epoch (whole trees, the canary once) is. BandMF's and BLT's noise
+        is correlated across the whole run, so only the whole run is.
         """
+        if self.factorised:
+            if self.steps is None:
+                raise ValueError(
+                    f"a {self.algorithm} audit re-runs the whole run: give its planned steps "
+                    "(StepSettings(steps=T), or StepSettings.from_plan)"
+                )
+            return self.steps
         if self.algorithm == "dp-ftrl":
             return self.records // self.batch_size
         return 1
@@ -135,8 +193,15 @@ def run_session(
 ) -> Session:
     """Train the audit model for ``blocks`` trials on the canaries in ``included`` and watch it.
 
-    ``on_step`` is called after every step (a progress bar).
+    ``on_step`` is called after every step (a progress bar). A matrix-factorisation run is
+    re-run whole, with the auditor's knowledge of each canary's steps, by
+    :func:`dpfy.audit.correlated.run_factorised_session` instead.
     """
+    if settings.factorised:
+        raise ValueError(
+            f"a {settings.algorithm} session is one whole run: use "
+            "dpfy.audit.correlated.run_factorised_session"
+        )
     rows = _Rows(canary_rows(design, included, settings.relation), design.blanks)
     steps = blocks * settings.steps_per_block
     model = CanaryModel(design.coordinates)
@@ -201,6 +266,7 @@ def _private_session(
             seed=seed,
             engine="auto",
             loader_options={"collate_fn": _collate},
+            **settings.strategy_size(),
         )
 
 
@@ -242,4 +308,4 @@ def _loss(outputs: torch.Tensor, reduction: str) -> torch.Tensor:
     return outputs.mean() if reduction == "mean" else outputs.sum()
 
 
-__all__ = ["Session", "StepSettings", "run_session"]
+__all__ = ["FACTORISED_ALGORITHMS", "Session", "StepSettings", "run_session"]

@@ -32,6 +32,11 @@ and :func:`dpfy.audit.one_run.score_and_guess` turns the guesses into ε̂ for t
 examples there (batch statistics, a loss normalised over the batch) is invisible to it — the
 run's behaviour checks from training cover those (:mod:`dpfy.audit.scope`).
 
+**Matrix-factorisation noise** (BandMF, BLT, amplified BandMF) is correlated over the whole
+run, so one trial is one canary in one whole re-run, scored by the optimal test under the
+claimed covariance σ²C⁻¹C⁻ᵀ: the released stream decorrelated with C and summed over the
+canary's participations (:mod:`dpfy.audit.correlated`, where it is derived).
+
 **Where the white-box audit is sound.** DP-SGD and user-level DP-SGD: yes, per step with
 Poisson sampling (the canary user holds one record); shuffled or fixed-size batches tie the
 canaries' inclusions together, so there only the one-run audit applies. DP-FTRL: only per
@@ -54,6 +59,7 @@ from scipy import special
 
 from dpfy.audit.bounds import bound_at_threshold, choose_threshold
 from dpfy.audit.canaries import CanaryDesign, out_mean
+from dpfy.audit.correlated import factorised_audit
 from dpfy.audit.observe import Session, StepSettings, run_session
 from dpfy.audit.one_run import score_and_guess
 from dpfy.audit.result import AuditResult
@@ -81,11 +87,24 @@ def audit_private_step(
 ) -> AuditResult:
     """ε̂ of the run's private step (classical: of one block; one-run: of ``blocks`` blocks).
 
+    A BandMF or BLT run (``settings.factorised``) is audited whole by
+    :mod:`dpfy.audit.correlated`: each block is one re-run of all its T steps, and ε̂ (both
+    methods) is of one run, beside the run's claimed ε.
+
     ``seed`` makes the audit reproducible (leave it None to draw from the OS); ``statistics``
     are the classical audit's (each costs a share of the confidence); ``on_step`` is called
     after every audited step (:func:`audit_steps` of them: a progress bar); ``on_scores``
     receives the scores in and out that ε̂ came from (for the plots).
     """
+    if settings.factorised:
+        if "canary update" not in statistics:
+            raise ValueError(
+                f"a {settings.algorithm} audit has one statistic, the canary update (its "
+                "log-likelihood ratio); pass statistics=('canary update',)"
+            )
+        return factorised_audit(
+            settings, method, canaries, blocks, probes, confidence, seed, on_step, on_scores
+        )
     if method == "classical":
         return classical_audit(
             settings, canaries, blocks, probes, confidence, seed, statistics, on_step, on_scores

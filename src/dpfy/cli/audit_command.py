@@ -9,6 +9,7 @@ Bad input is one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -18,7 +19,8 @@ __all__ = ["audit"]
 
 _USAGE_ERROR = 2
 _METHOD_HELP = (
-    "classical (runs with all canaries in and all out; ε̂ of one step, or one DP-FTRL epoch), "
+    "classical (runs with all canaries in and all out; ε̂ of one step, one DP-FTRL epoch, or "
+    "the whole run of BandMF / BLT), "
     "one-run (each canary in with probability ½, one run; Steinke et al. 2023), both, or "
     "black-box (re-trains the run once with input-space canaries and attacks its final model)."
 )
@@ -31,8 +33,12 @@ def audit(
         int, typer.Option(help="Canaries: Dirac gradients per session, or black-box records.")
     ] = 100,
     blocks: Annotated[
-        int, typer.Option(help="Trials per session: steps (DP-SGD) or epochs (DP-FTRL).")
-    ] = 200,
+        int | None,
+        typer.Option(
+            help="Trials per session: steps (DP-SGD), epochs (DP-FTRL), or whole re-runs a "
+            "side (BandMF, BLT). Default 200, or 10 whole re-runs."
+        ),
+    ] = None,
     confidence: Annotated[float, typer.Option(help="Confidence of the lower bound ε̂.")] = 0.95,
     seed: Annotated[int | None, typer.Option(help="Seed the audit (reproducible).")] = None,
 ) -> None:
@@ -41,12 +47,23 @@ def audit(
     from rich.progress import Progress
 
     from dpfy.audit.scope import behaviour_lines, scope_of
-    from dpfy.jobs.audit import AuditConfig, load_run, plan_cost, record_audits, run_audit
+    from dpfy.jobs.audit import (
+        DEFAULT_BLOCKS,
+        AuditConfig,
+        default_blocks,
+        load_run,
+        plan_cost,
+        record_audits,
+        run_audit,
+    )
 
     console = Console()
     try:
-        config = AuditConfig(method, canaries, blocks, confidence=confidence, seed=seed)
+        given = DEFAULT_BLOCKS if blocks is None else blocks
+        config = AuditConfig(method, canaries, given, confidence=confidence, seed=seed)
         facts = load_run(run_dir)
+        if blocks is None:
+            config = dataclasses.replace(config, blocks=default_blocks(facts))
         cost = plan_cost(facts, config, run_dir)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)

@@ -8,6 +8,9 @@ model and its utility are untouched — and appends each :class:`~dpfy.audit.res
 to the facts, re-rendering ``report.md`` and ``report.json`` and writing ``audit.json``, with
 the plots of each audit's scores in and out (histograms and ROC) under ``RUN_DIR/audit/``.
 The white-box sessions spend no privacy of the run's data: they see only canaries and blanks.
+A BandMF or BLT run (matrix-factorisation noise, correlated over the whole run) is re-run whole
+in every session (:mod:`dpfy.audit.correlated`): ``--blocks`` counts those re-runs a side, and
+ε̂ is of the whole run.
 ``--method black-box`` instead re-trains the run once with input-space canaries
 (:mod:`dpfy.jobs.blackbox_audit`) and attacks only that model's final state.
 
@@ -30,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpfy.audit.correlated import seconds_per_step as factorised_seconds_per_step
 from dpfy.audit.observe import StepSettings, run_session
 from dpfy.audit.plots import write_audit_plots
 from dpfy.audit.result import AuditResult
@@ -41,6 +45,7 @@ from dpfy.audit.whitebox import (
     design_for,
 )
 from dpfy.jobs.blackbox_audit import BlackBoxRun, plan_blackbox, run_blackbox
+from dpfy.plan.correlated_events import describe_strategy
 from dpfy.report.card import build_report
 from dpfy.report.facts import RunFacts, recompute_accounting
 from dpfy.report.render import FACTS_FILE, write_report
@@ -53,6 +58,9 @@ PLOTS_DIR = "audit"
 AUDIT_METHODS = ("classical", "one-run", "both", "black-box")
 #: The top-level key of facts.json where training records its behaviour checks.
 CHECKS_KEY = "behaviour_checks"
+#: ``--blocks`` when not given: trials of one step or epoch, or whole re-runs (BandMF, BLT).
+DEFAULT_BLOCKS = 200
+DEFAULT_FACTORISED_BLOCKS = 10
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ class AuditConfig:
 
     method: str = "classical"
     canaries: int = 100
-    blocks: int = 200
+    blocks: int = DEFAULT_BLOCKS
     probes: int = 64
     confidence: float = 0.95
     seed: int | None = None
@@ -101,13 +109,32 @@ class AuditCost:
             return self.blackbox.lines()
         s = self.settings
         assert s is not None  # a white-box audit always has its step's settings
-        return [
+        lines = [
             f"re-runs the run's private step ({s.algorithm} per {s.unit}, N = {s.records}, "
             f"B = {s.batch_size}, σ = {s.noise_multiplier:.4g}, C = {s.max_grad_norm:g}) on "
             f"{self.canaries} canaries: {self.steps} steps, about {self.seconds:.0f} s",
-            "the canaries go into a separate canary model, not the trained one: the run's "
-            "model, accuracy and privacy ledger are unchanged",
         ]
+        if s.factorised:
+            lines.append(
+                f"its matrix-factorisation noise ({describe_strategy(s.mechanism, s.strategy)}) "
+                f"is correlated over the whole run, so each session re-runs all "
+                f"{s.steps_per_block} steps (one trial per canary) and ε̂ is of the whole run; "
+                "the statistic decorrelates the released updates with C and sums them over each "
+                "canary's steps"
+            )
+        lines.append(
+            "the canaries go into a separate canary model, not the trained one: the run's "
+            "model, accuracy and privacy ledger are unchanged"
+        )
+        return lines
+
+
+def default_blocks(facts: RunFacts) -> int:
+    """``--blocks`` when not given: 200 trials of a step (or epoch), or 10 whole re-runs a side
+    of a matrix-factorisation run (each as long as the run)."""
+    if facts.privacy.strategy is not None:
+        return DEFAULT_FACTORISED_BLOCKS
+    return DEFAULT_BLOCKS
 
 
 def load_run(run_dir: Path) -> RunFacts:
@@ -179,8 +206,12 @@ def plan_cost(facts: RunFacts, config: AuditConfig, run_dir: Path | None = None)
 
 
 def fitted_canaries(settings: StepSettings, wanted: int) -> int:
-    """At most ``wanted``; with removal, at most N − B (the out side must still fill a batch)."""
-    if settings.relation != "add-or-remove":
+    """At most ``wanted``; with removal, at most N − B (the out side must still fill a batch).
+
+    A matrix-factorisation audit never removes a canary (:func:`dpfy.audit.correlated.out_side`),
+    so all N records may be canaries.
+    """
+    if settings.relation != "add-or-remove" or settings.factorised:
         return min(wanted, settings.records)
     room = settings.records - settings.batch_size
     if room < 1:
@@ -193,6 +224,8 @@ def fitted_canaries(settings: StepSettings, wanted: int) -> int:
 
 def _seconds_per_step(settings: StepSettings, canaries: int) -> float:
     """Time a few steps of the audit session, after one to warm up (the estimate shown)."""
+    if settings.factorised:
+        return factorised_seconds_per_step(settings, canaries)
     design = design_for(settings, canaries, 2)
     blocks = max(1, math.ceil(4 / settings.steps_per_block))
     run_session(settings, design, torch.ones(canaries, dtype=torch.bool), 1, 0)
@@ -294,11 +327,14 @@ __all__ = [
     "AUDIT_FILE",
     "AUDIT_METHODS",
     "CHECKS_KEY",
+    "DEFAULT_BLOCKS",
+    "DEFAULT_FACTORISED_BLOCKS",
     "PLOTS_DIR",
     "AuditConfig",
     "AuditCost",
     "AuditOutcome",
     "behaviour_checks",
+    "default_blocks",
     "fitted_canaries",
     "load_run",
     "plan_cost",
