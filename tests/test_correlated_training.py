@@ -489,11 +489,12 @@ def test_microbatches_and_physical_batches_work(algorithm):
     assert chunked.ledger.epsilon() == whole.ledger.epsilon()
 
 
-def test_a_white_box_audit_of_correlated_noise_is_refused():
+def test_a_white_box_audit_takes_the_strategy_from_the_plan():
     from dpfy.audit.observe import StepSettings
 
-    with pytest.raises(ValueError, match="matrix-factorisation"):
-        StepSettings.from_plan(run("blt").plan)
+    plan = run("blt").plan
+    settings = StepSettings.from_plan(plan)  # audited by dpfy.audit.correlated
+    assert settings.noise_multiplier == plan.noise_multiplier
 
 
 # -- the ledger's format -------------------------------------------------------------------------
