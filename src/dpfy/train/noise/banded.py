@@ -12,16 +12,12 @@ z_t is fresh from the run's noise source every step (:mod:`dpfy.train.noise.fact
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
 
 import torch
 
-from dpfy.plan.correlated_events import Charges, decode_strategy, run_charges
-from dpfy.plan.privacy_plan import PrivacyPlan
-from dpfy.plan.sampling import SamplingKind
+from dpfy.plan.correlated.banded import BandedStrategy
 from dpfy.train.noise.factorised import FactorisedMechanism
-from dpfy.train.noise.mechanisms import NoiseMechanism, register_mechanism
-from dpfy.train.noise.source import NoiseSource
+from dpfy.train.noise.mechanisms import register_mechanism
 
 __all__ = ["BandedMechanism"]
 
@@ -32,25 +28,8 @@ class BandedMechanism(FactorisedMechanism):
     kind = "banded-mf"
     label = "BandMF"
 
-    def __init__(
-        self,
-        params: Mapping[str, torch.Tensor],
-        source: NoiseSource,
-        std: float,
-        *,
-        strategy: tuple[float, ...],
-        charges: Charges,
-        kind: SamplingKind = SamplingKind.FIXED_ORDER_EPOCHS,
-    ) -> None:
-        banded = decode_strategy("banded-mf", strategy)
-        super().__init__(
-            params,
-            source,
-            std,
-            strategy=strategy,
-            charges=charges,
-            kind=kind,
-        )
+    def _start(self, banded: BandedStrategy) -> None:  # type: ignore[override]
+        """Empty buffers for the decoded strategy."""
         self._tail = tuple(float(c) for c in banded.coefficients[1:])  # c_1 … c_{b−1}
         self._history: dict[str, collections.deque[torch.Tensor]] = {
             name: collections.deque(maxlen=len(self._tail)) for name in self._like
@@ -88,24 +67,4 @@ class BandedMechanism(FactorisedMechanism):
         }
 
 
-@register_mechanism("banded-mf")
-def _banded_mf(
-    plan: PrivacyPlan, params: Mapping[str, torch.Tensor], source: NoiseSource, std: float
-) -> NoiseMechanism:
-    """BandMF's noise with the plan's strategy, steps and epochs."""
-    assert plan.strategy is not None  # the plan refuses a banded-mf plan without one
-    return BandedMechanism(
-        params,
-        source,
-        std,
-        strategy=plan.strategy,
-        charges=run_charges(
-            plan.mechanism,
-            plan.strategy,
-            plan.sampler,
-            plan.steps,
-            plan.dataset_size,
-            plan.expected_batch_size,
-        ),
-        kind=SamplingKind.parse(plan.sampler),
-    )
+register_mechanism("banded-mf")(BandedMechanism.from_plan)

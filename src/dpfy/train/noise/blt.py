@@ -12,16 +12,11 @@ optimise_blt`); z_t is fresh from the run's noise source every step
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
-from dpfy.plan.correlated_events import Charges, decode_strategy, run_charges
-from dpfy.plan.privacy_plan import PrivacyPlan
-from dpfy.plan.sampling import SamplingKind
+from dpfy.plan.correlated.blt import Blt
 from dpfy.train.noise.factorised import FactorisedMechanism
-from dpfy.train.noise.mechanisms import NoiseMechanism, register_mechanism
-from dpfy.train.noise.source import NoiseSource
+from dpfy.train.noise.mechanisms import register_mechanism
 
 __all__ = ["BltMechanism"]
 
@@ -32,25 +27,8 @@ class BltMechanism(FactorisedMechanism):
     kind = "blt"
     label = "BLT"
 
-    def __init__(
-        self,
-        params: Mapping[str, torch.Tensor],
-        source: NoiseSource,
-        std: float,
-        *,
-        strategy: tuple[float, ...],
-        charges: Charges,
-        kind: SamplingKind = SamplingKind.FIXED_ORDER_EPOCHS,
-    ) -> None:
-        blt = decode_strategy("blt", strategy)
-        super().__init__(
-            params,
-            source,
-            std,
-            strategy=strategy,
-            charges=charges,
-            kind=kind,
-        )
+    def _start(self, blt: Blt) -> None:  # type: ignore[override]
+        """Empty buffers for the decoded strategy."""
         inverse = blt.inverse()
         self._decays = tuple(float(theta) for theta in inverse.decays)
         self._weights = tuple(float(omega) for omega in inverse.weights)
@@ -86,24 +64,4 @@ class BltMechanism(FactorisedMechanism):
         self._sums = {name: tensors for name, tensors in buffers.items() if tensors}
 
 
-@register_mechanism("blt")
-def _blt(
-    plan: PrivacyPlan, params: Mapping[str, torch.Tensor], source: NoiseSource, std: float
-) -> NoiseMechanism:
-    """BLT's noise with the plan's strategy, steps and epochs."""
-    assert plan.strategy is not None  # the plan refuses a blt plan without one
-    return BltMechanism(
-        params,
-        source,
-        std,
-        strategy=plan.strategy,
-        charges=run_charges(
-            plan.mechanism,
-            plan.strategy,
-            plan.sampler,
-            plan.steps,
-            plan.dataset_size,
-            plan.expected_batch_size,
-        ),
-        kind=SamplingKind.parse(plan.sampler),
-    )
+register_mechanism("blt")(BltMechanism.from_plan)

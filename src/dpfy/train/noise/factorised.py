@@ -28,7 +28,8 @@ import torch
 from dpfy._validate import check_count, check_positive
 from dpfy.data.provenance import BatchRefused, DrawnBatch
 from dpfy.plan.accounting.events import DpEvent
-from dpfy.plan.correlated_events import Charges
+from dpfy.plan.correlated_events import Charges, decode_strategy, run_charges
+from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.noise.source import NoiseSource
 
@@ -67,6 +68,29 @@ class FactorisedMechanism(abc.ABC):
         self.steps_done = 0
         self._like = {name: torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
                       for name, p in params.items()}  # fmt: skip
+        self._start(decode_strategy(self.kind, self.strategy))
+
+    @classmethod
+    def from_plan(
+        cls, plan: PrivacyPlan, params: Mapping[str, torch.Tensor], source: NoiseSource, std: float
+    ) -> FactorisedMechanism:
+        """The mechanism with the plan's strategy, charged for its steps, epochs and sampling
+        (the factory :func:`~dpfy.train.noise.mechanisms.register_mechanism` registers)."""
+        assert plan.strategy is not None  # the plan refuses a factorised plan without one
+        charges = run_charges(
+            plan.mechanism,
+            plan.strategy,
+            plan.sampler,
+            plan.steps,
+            plan.dataset_size,
+            plan.expected_batch_size,
+        )
+        kind = SamplingKind.parse(plan.sampler)
+        return cls(params, source, std, strategy=plan.strategy, charges=charges, kind=kind)
+
+    @abc.abstractmethod
+    def _start(self, strategy: Any) -> None:
+        """Set up the empty buffers the decoded ``strategy`` needs."""
 
     # -- before the step -------------------------------------------------------------------------
     def check(self, batch: DrawnBatch) -> None:
