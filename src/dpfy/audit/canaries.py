@@ -126,4 +126,22 @@ def out_mean(relation: str) -> float:
     return -1.0 if OUT_SIDES.get(relation) == "negated" else 0.0
 
 
-__all__ = ["OUT_SIDES", "CanaryDesign", "CanaryModel", "audit_rows", "canary_rows", "out_mean"]
+def coin_generator(seed: int | None) -> torch.Generator:
+    """The generator of the canaries' fair coins: from ``seed``, or from the OS."""
+    flips = torch.Generator()
+    if seed is None:
+        flips.seed()
+    else:
+        flips.manual_seed(seed)
+    return flips
+
+
+__all__ = [
+    "OUT_SIDES",
+    "CanaryDesign",
+    "CanaryModel",
+    "audit_rows",
+    "canary_rows",
+    "coin_generator",
+    "out_mean",
+]

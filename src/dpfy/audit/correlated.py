@@ -91,7 +91,14 @@ import torch
 from scipy import signal
 
 from dpfy.audit.bounds import bound_at_threshold, choose_threshold
-from dpfy.audit.canaries import OUT_SIDES, CanaryDesign, CanaryModel, canary_rows, out_mean
+from dpfy.audit.canaries import (
+    OUT_SIDES,
+    CanaryDesign,
+    CanaryModel,
+    canary_rows,
+    coin_generator,
+    out_mean,
+)
 from dpfy.audit.observe import StepSettings, _loss, _private_session, _Rows
 from dpfy.audit.one_run import score_and_guess
 from dpfy.audit.result import AuditResult
@@ -411,11 +418,7 @@ def factorised_one_run_audit(
     """``blocks`` whole runs, each with its own canaries in by a fair coin; ε̂ of one run."""
     start = time.perf_counter()
     design = factorised_design(settings, canaries, probes)
-    flips = torch.Generator()
-    if seed is None:
-        flips.seed()
-    else:
-        flips.manual_seed(seed)
+    flips = coin_generator(seed)
     included = torch.rand(blocks, canaries, generator=flips) < 0.5
     seeds = _seeds(None if seed is None else seed + 1, blocks)
     low = out_mean(out_side(settings))

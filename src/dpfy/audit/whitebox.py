@@ -58,7 +58,7 @@ import torch
 from scipy import special
 
 from dpfy.audit.bounds import bound_at_threshold, choose_threshold
-from dpfy.audit.canaries import CanaryDesign, out_mean
+from dpfy.audit.canaries import CanaryDesign, coin_generator, out_mean
 from dpfy.audit.correlated import factorised_audit
 from dpfy.audit.observe import Session, StepSettings, run_session
 from dpfy.audit.one_run import score_and_guess
@@ -221,11 +221,7 @@ def one_run_audit(
     """One session, each canary in with probability ½; ε̂ of the whole session."""
     start = time.perf_counter()
     design = design_for(settings, canaries, probes)
-    flips = torch.Generator()
-    if seed is None:
-        flips.seed()
-    else:
-        flips.manual_seed(seed)
+    flips = coin_generator(seed)
     included = torch.rand(canaries, generator=flips) < 0.5
     session = run_session(
         settings, design, included, blocks, None if seed is None else seed + 1, on_step
