@@ -14,7 +14,9 @@ from dpfy.plan.variants.request import (
     refuse_unsupported,
     total_steps,
 )
-from dpfy.plan.variants.text import CENTRAL, AlgorithmText
+from dpfy.plan.variants.text import (
+    central_gradients,
+)
 
 __all__ = ["resolve_dp_ftrl"]
 
@@ -66,15 +68,7 @@ register_variant(
         "example",
         "DP-FTRL",
         resolve_dp_ftrl,
-        AlgorithmText(
-            name="DP-FTRL (Kairouz et al. 2021)",
-            curator=CENTRAL,
-            guide="guide §3.1–§3.2",
-            released_from="the noised gradients",
-            steps="noised gradient steps",
-            accounting=_TREE_ACCOUNTING,
-            clipped="gradient",
-        ),
+        central_gradients("DP-FTRL (Kairouz et al. 2021)", _TREE_ACCOUNTING),
         "ordered",
     )
 )

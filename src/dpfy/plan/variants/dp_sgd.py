@@ -18,7 +18,11 @@ from dpfy.plan.variants.request import (
     refuse_unsupported,
     total_steps,
 )
-from dpfy.plan.variants.text import CENTRAL, AlgorithmText, UserLevelText, gaussian_accounting
+from dpfy.plan.variants.text import (
+    UserLevelText,
+    central_gradients,
+    gaussian_accounting,
+)
 
 __all__ = ["DP_SGD_TEXT", "resolve_dp_sgd", "resolve_user_dp_sgd"]
 
@@ -94,15 +98,7 @@ def resolve_user_dp_sgd(request: PlanRequest) -> PrivacyPlan:
     )
 
 
-DP_SGD_TEXT = AlgorithmText(
-    name="DP-SGD",
-    curator=CENTRAL,
-    guide="guide §3.1–§3.2",
-    released_from="the noised gradients",
-    steps="noised gradient steps",
-    accounting=gaussian_accounting("gradients"),
-    clipped="gradient",
-)
+DP_SGD_TEXT = central_gradients("DP-SGD", gaussian_accounting("gradients"))
 
 register_variant(
     TrainingVariant(

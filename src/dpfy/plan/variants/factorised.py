@@ -34,7 +34,10 @@ from dpfy.plan.variants.request import (
     refuse_unsupported,
     total_steps,
 )
-from dpfy.plan.variants.text import CENTRAL, AlgorithmText
+from dpfy.plan.variants.text import (
+    AlgorithmText,
+    central_gradients,
+)
 
 __all__ = ["CYCLIC_BATCHES_PER_GROUP", "DEFAULT_BANDS", "DEFAULT_BUFFERS"]
 
@@ -197,15 +200,7 @@ def _factorised_accounting(name: str) -> str:
 
 def _text(name: str, full: str) -> AlgorithmText:
     """A matrix-factorisation algorithm's words: central DP over the noised gradients."""
-    return AlgorithmText(
-        name=full,
-        curator=CENTRAL,
-        guide="guide §3.1–§3.2",
-        released_from="the noised gradients",
-        steps="noised gradient steps",
-        accounting=_factorised_accounting(name),
-        clipped="gradient",
-    )
+    return central_gradients(full, _factorised_accounting(name))
 
 
 register_variant(

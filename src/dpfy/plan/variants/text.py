@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CENTRAL", "AlgorithmText", "UserLevelText", "gaussian_accounting"]
+__all__ = [
+    "CENTRAL",
+    "AlgorithmText",
+    "UserLevelText",
+    "central_gradients",
+    "gaussian_accounting",
+]
 
 
 @dataclass(frozen=True)
@@ -45,4 +51,18 @@ def gaussian_accounting(clipped_sum: str) -> str:
         "subsampled Gaussian mechanism with noise multiplier σ = {sigma:.6g} (noise std "
         f"σ·sensitivity on the sum of clipped {clipped_sum}, decoupled from C, guide §4.2) at "
         "sampling rate q = {q:.6g}."
+    )
+
+
+def central_gradients(name: str, accounting: str) -> AlgorithmText:
+    """Central DP over noised gradient steps (DP-SGD, DP-FTRL, BandMF, BLT): only ``name`` and
+    how it is accounted differ."""
+    return AlgorithmText(
+        name=name,
+        curator=CENTRAL,
+        guide="guide §3.1–§3.2",
+        released_from="the noised gradients",
+        steps="noised gradient steps",
+        accounting=accounting,
+        clipped="gradient",
     )
