@@ -452,3 +452,16 @@ def test_a_refused_coupling_is_an_error_on_the_card_without_the_private_values(t
     assert "moved by" in str(err.value) and "moved by" not in md  # values stay off the card
     codes = {p["code"]: p["severity"] for p in data["pitfalls"]}
     assert codes.get("examples-coupled") == "error"
+
+
+@pytest.mark.parametrize(
+    ("reduction", "criterion"),
+    [("sum", nn.CrossEntropyLoss()), ("mean", nn.CrossEntropyLoss(reduction="sum"))],
+    ids=["mean-loss-told-sum", "sum-loss-told-mean"],
+)
+def test_a_loss_reduced_the_other_way_is_named_as_such(reduction, criterion) -> None:
+    private = _private(_mlp(), _data(), criterion=criterion, loss_reduction=reduction)
+    with pytest.raises(
+        ExamplesCoupled, match=f"but make_private was given loss_reduction='{reduction}'"
+    ):
+        _one_step(private, private.criterion)

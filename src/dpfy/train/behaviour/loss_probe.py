@@ -92,7 +92,9 @@ class CheckedCriterion:
                 )
                 problem = None if alone is None else first_difference(mine, alone)
                 if problem is not None:
-                    return self._message(row, problem)
+                    return self._reduction_mismatch(mine, alone, size) or self._message(
+                        row, problem
+                    )
         self.tally.passed()
         return None
 
@@ -118,6 +120,22 @@ class CheckedCriterion:
         return [
             torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)
         ]
+
+    def _reduction_mismatch(
+        self, mine: list[torch.Tensor], alone: list[torch.Tensor] | None, size: int
+    ) -> str | None:
+        """The refusal when the criterion is per-example but reduced the other way than
+        make_private was told (a mean where loss_reduction='sum', or the reverse)."""
+        other, said = (1 / size, "sums") if self.loss_reduction == "mean" else (size, "averages")
+        if alone is None or first_difference([g * other for g in mine], alone) is not None:
+            return None
+        return (
+            f"the loss: the criterion {said} over the batch, but make_private was given "
+            f"loss_reduction={self.loss_reduction!r}, so each example's gradient is scaled by "
+            f"{other:g} before clipping. Fix: pass loss_reduction="
+            f"{'sum' if said == 'sums' else 'mean'!r} to make_private (or reduce the criterion "
+            "the other way)"
+        )
 
     def _message(self, row: int, problem: str) -> str:
         """The refusal: what the loss did and how to make it per-example."""
