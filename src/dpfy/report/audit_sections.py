@@ -148,9 +148,8 @@ def empirical_audit(
         "behaviour_check_lines": behaviour_lines(checks),
         "behaviour_statement": behaviour_statement(checks),
     }
-    if not rows:
-        none = {"audits": [], "any_exceeds_claim": False, "statement": NONE_RECORDED}
-        return none if checks is None else {**none, **behaviour}
+    if not rows:  # the checks stand in their own section (behaviour_sections) until an audit
+        return {"audits": [], "any_exceeds_claim": False, "statement": NONE_RECORDED}
     exceeded = any(row["exceeds_claim"] for row in rows)
     statement = EVIDENCE_NOT_PROOF
     if exceeded:

@@ -38,10 +38,11 @@ def behaviour_checks(
             "were not verified to treat examples independently."
         )
     elif not gaps:
+        schedule = checks.get("model", {}).get("schedule", "a schedule")
         statement = (
             "Every check passed: on the probed batches each example's contribution depended on "
-            "that example alone, and nothing changed the model outside the private step. The "
-            "probes sample the run (schedule above); they are evidence, not proof."
+            "that example alone, and nothing changed the model outside the private step (checked "
+            f"every step). The probes sample the run ({schedule}); they are evidence, not proof."
         )
     else:
         statement = (
