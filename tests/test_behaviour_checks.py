@@ -465,3 +465,12 @@ def test_a_loss_reduced_the_other_way_is_named_as_such(reduction, criterion) -> 
         ExamplesCoupled, match=f"but make_private was given loss_reduction='{reduction}'"
     ):
         _one_step(private, private.criterion)
+
+
+def test_a_coupling_in_bfloat16_is_still_seen() -> None:
+    from dpfy.data.row_compare import first_difference
+
+    h = torch.randn(8, 4).bfloat16()
+    coupled = h - 0.5 * h.mean(0)  # ~7 % of the scale: 256 ulps of bfloat16 would hide it
+    assert first_difference(h, h.clone()) is None
+    assert first_difference(h, coupled) is not None
