@@ -728,3 +728,18 @@ def test_a_skipped_batch_stops_the_run_until_a_checkpoint_is_reloaded(tmp_path):
     private.load(tmp_path / "ckpt.pt")
     train(private)
     assert private.ledger.steps == 12
+
+
+def test_the_tree_mechanism_states_its_charge_and_the_sampling_record_only_sampling():
+    """A DP-FTRL step's record says how the batch was taken; the tree's charge is the
+    mechanism's (one Gaussian per newly released node), stored beside it in the ledger."""
+    private = ftrl_run(steps=6)
+    for x, y in rest_of_run(private.loader):
+        private.optimizer.zero_grad()
+        nn.functional.cross_entropy(private.model(x), y).backward()
+        private.optimizer.step()
+    entries = private.ledger.state_dict()["entries"]
+    assert entries and all(item["sampling"].get("tree_nodes", 0) == 0 for item in entries)
+    assert all("charged" in item for item in entries)
+    nodes = sum(item["count"] for item in entries if item["charged"].get("type") != "NoOpEvent")
+    assert nodes == charged_nodes(6, 6, 6)  # ⌈log₂(T+1)⌉ for one tree of 6 steps

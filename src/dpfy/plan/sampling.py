@@ -131,8 +131,10 @@ class SamplingRecord:
     dataset_size: int
     batch_size: int | None = None
     unit: str = "example"
-    #: DP-FTRL only: tree nodes able to hold one example's gradient that this step newly
-    #: releases (0 or 1, :func:`dpfy.plan.tree_events.new_tree_nodes`).
+    #: DP-FTRL ledgers written before the tree aggregation mechanism stated its own charge
+    #: (:meth:`TreeAggregationMechanism.step_event`): the tree nodes able to hold one example's
+    #: gradient that the step newly released. Read back from such ledgers only; new records
+    #: describe sampling alone and carry 0.
     tree_nodes: int = 0
 
     def __post_init__(self) -> None:
@@ -193,7 +195,7 @@ class SamplingRecord:
                 "schema), so a StepRecord of this kind needs the mechanism's event"
             )
         if self.kind in TREE_KINDS:
-            return _tree_step_event(noise_multiplier, self.tree_nodes)
+            return tree_step_event(noise_multiplier, self.tree_nodes)
         if self.kind is SamplingKind.FIXED_SIZE:
             return FixedSizeSampledEvent(
                 self.dataset_size, self.batch_size, GaussianEvent(noise_multiplier)
@@ -254,7 +256,7 @@ class SamplingRecord:
             raise ValueError(f"malformed sampling record: {err}") from None
 
 
-def _tree_step_event(noise_multiplier: float, nodes: int) -> DpEvent:
+def tree_step_event(noise_multiplier: float, nodes: int) -> DpEvent:
     """A DP-FTRL step: one Gaussian per newly released node that can hold an example's gradient.
 
     Summed over a tree these give the tree-aggregation bound of Kairouz et al. 2021 (App. D):

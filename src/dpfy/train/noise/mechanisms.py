@@ -18,7 +18,6 @@ is the per-coordinate std of its noise on such a sum (σ · sensitivity / B, per
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,7 +27,7 @@ import torch
 from dpfy.data.provenance import BatchRefused, DrawnBatch
 from dpfy.plan.accounting.events import DpEvent
 from dpfy.plan.privacy_plan import PrivacyPlan
-from dpfy.plan.sampling import TREE_KINDS, SamplingRecord
+from dpfy.plan.sampling import TREE_KINDS, SamplingRecord, tree_step_event
 from dpfy.plan.tree_events import new_tree_nodes
 from dpfy.train.grads import NoiseStart
 from dpfy.train.noise.source import NoiseSource, fill_with_noise
@@ -249,20 +248,23 @@ class TreeAggregationMechanism:
         return None
 
     def sampling(self, record: SamplingRecord, batch: DrawnBatch) -> SamplingRecord:
-        """The step is charged the tree nodes that could hold an example's gradient it releases."""
+        """The sampler's record as it is (describing sampling only; the charge is
+        :meth:`step_event`'s): DP-FTRL needs batches taken in order."""
         if record.kind not in TREE_KINDS:
             raise BatchRefused(
                 f"DP-FTRL needs batches taken in order ('tree-shuffle' or 'tree-fixed-order'), "
                 f"got {record.kind.value!r}"
             )
-        nodes = new_tree_nodes(batch.epoch_position + 1, self.restart_every)
-        return dataclasses.replace(record, tree_nodes=nodes)
+        return record
 
     def step_event(
         self, record: SamplingRecord, batch: DrawnBatch, noise_multiplier: float
     ) -> DpEvent | None:
-        """None: the record :meth:`sampling` returns already carries the tree nodes charged."""
-        return None
+        """One Gaussian of noise σ per tree node able to hold an example's gradient that this
+        step newly releases (Kairouz et al. 2021, App. D): summed over a tree, ⌈log₂(T+1)⌉ of
+        them; a step that releases no such node is charged nothing."""
+        nodes = new_tree_nodes(batch.epoch_position + 1, self.restart_every)
+        return tree_step_event(noise_multiplier, nodes)
 
     @torch.no_grad()
     def privatise(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
