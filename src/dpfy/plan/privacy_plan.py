@@ -8,9 +8,13 @@ components are chosen from it, and the ledger records what the sampler and engin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dpfy.plan.sampling import POISSON_KINDS, TREE_KINDS, SamplingKind, SamplingRecord
 from dpfy.plan.tree_events import check_tree, resolve_restart
+
+if TYPE_CHECKING:
+    from dpfy.plan.correlated_events import Charges
 
 #: The noise mechanisms a plan can name (each is registered in dpfy.train.noise.mechanisms;
 #: the matrix-factorisation ones in dpfy.train.noise.banded and .blt).
@@ -183,4 +187,18 @@ class PrivacyPlan:
             self.dataset_size,
             None if kind in POISSON_KINDS else self.expected_batch_size,
             unit=self.unit,
+        )
+
+    def charges(self) -> Charges:
+        """What each step of a matrix-factorisation plan is charged, from its fields (the
+        mechanism states it per step; the report words it)."""
+        from dpfy.plan.correlated_events import run_charges  # numpy/scipy: only when used
+
+        return run_charges(
+            self.mechanism,
+            self.strategy,
+            self.sampler,
+            self.steps,
+            self.dataset_size,
+            self.expected_batch_size,
         )

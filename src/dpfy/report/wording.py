@@ -206,19 +206,11 @@ def accounting_fields(plan: PrivacyPlan) -> dict[str, object]:
         CORRELATED_MECHANISMS,
         CyclicCharges,
         describe_strategy,
-        run_charges,
     )
 
     if plan.mechanism not in CORRELATED_MECHANISMS:
         return {}
-    charges = run_charges(
-        plan.mechanism,
-        plan.strategy,
-        plan.sampler,
-        plan.steps,
-        plan.dataset_size,
-        plan.expected_batch_size,
-    )
+    charges = plan.charges()
     numbers = ", ".join(f"{v:.4g}" for v in plan.strategy or ())
     layout = "coefficients 1, c_1, …" if plan.mechanism == "banded-mf" else "decays, then weights"
     fields: dict[str, object] = {

@@ -28,7 +28,7 @@ import torch
 from dpfy._validate import check_count, check_positive
 from dpfy.data.provenance import BatchRefused, DrawnBatch
 from dpfy.plan.accounting.events import DpEvent
-from dpfy.plan.correlated_events import Charges, decode_strategy, run_charges
+from dpfy.plan.correlated_events import Charges, decode_strategy
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.noise.source import NoiseSource
@@ -77,14 +77,7 @@ class FactorisedMechanism(abc.ABC):
         """The mechanism with the plan's strategy, charged for its steps, epochs and sampling
         (the factory :func:`~dpfy.train.noise.mechanisms.register_mechanism` registers)."""
         assert plan.strategy is not None  # the plan refuses a factorised plan without one
-        charges = run_charges(
-            plan.mechanism,
-            plan.strategy,
-            plan.sampler,
-            plan.steps,
-            plan.dataset_size,
-            plan.expected_batch_size,
-        )
+        charges = plan.charges()
         kind = SamplingKind.parse(plan.sampler)
         return cls(params, source, std, strategy=plan.strategy, charges=charges, kind=kind)
 
