@@ -225,11 +225,15 @@ def test_clip_update_scales_only_long_changes():
 def test_an_update_that_overflows_the_model_dtype_is_dropped_not_summed_as_nan():
     # Finite in float64, infinite once cast to the model's float32: it must not reach the sum.
     from dpfy.federated import ClippedSum, MalformedUpdate
+    from dpfy.train.noise.source import TorchNoise
+    from dpfy.train.private_aggregation import PrivateAggregation
 
-    total = ClippedSum({"w": torch.zeros(2)}, clip_norm=1.0)
+    aggregation = PrivateAggregation.gaussian(frozenset("w"), TorchNoise(0), 1.0, 1.0, 2)
+    total = ClippedSum({"w": torch.zeros(2)}, 1.0, aggregation)
+    opened = total.total["w"].clone()
     with pytest.raises(MalformedUpdate, match="not finite"):
         total.add({"w": torch.tensor([1e300, 0.0], dtype=torch.float64)})
-    assert total.accepted == 0 and torch.equal(total.total["w"], torch.zeros(2))
+    assert total.accepted == 0 and torch.equal(total.total["w"], opened)
 
 
 # -- the model: frozen parameters, batch norm ---------------------------------------------------

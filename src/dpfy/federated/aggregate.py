@@ -8,6 +8,9 @@ language models"):
 * the clipped changes are summed and ``N(0, σ²C²)`` is added once per coordinate of the sum;
 * the noisy sum is divided by the **expected** number of users per round B_c = qN, never by the
   number that actually took part (the realised count is data-dependent);
+* these three are the private step's own aggregation
+  (:class:`~dpfy.train.private_aggregation.PrivateAggregation`), which DP-SGD's step releases
+  through too: the sum opens from its noise at 1/B_c and each clipped change is added at 1/B_c;
 * a malformed or non-finite change is dropped and counts as zero. That is always safe: under
   add/remove-one-user adjacency a user's contribution may be any vector of norm ≤ C, zero
   included, so the sensitivity stays C.
@@ -18,7 +21,6 @@ Applying the noisy average with a server optimizer is post-processing (guide §4
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -26,8 +28,8 @@ import torch
 from torch import nn
 
 from dpfy._validate import check_positive
-from dpfy.train.noise.mechanisms import GaussianMechanism
-from dpfy.train.noise.source import NoiseSource
+from dpfy.train.private_aggregation import PrivateAggregation
+from dpfy.train.private_aggregation import clip_unit as clip_update
 
 __all__ = [
     "SERVER_OPTIMIZERS",
@@ -43,21 +45,22 @@ class MalformedUpdate(ValueError):
     """A user's update has the wrong tensors, shapes or non-finite values; it is dropped."""
 
 
-def clip_update(
-    delta: Mapping[str, torch.Tensor], clip_norm: float
-) -> tuple[dict[str, torch.Tensor], float]:
-    """Δ · min(1, C/‖Δ‖) over all tensors together, and the unclipped norm ‖Δ‖ (guide alg. 2)."""
-    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values()))
-    factor = clip_norm / max(norm, clip_norm)  # 1 when ‖Δ‖ ≤ C; never divides by zero
-    return {name: t * factor for name, t in delta.items()}, norm
-
-
 class ClippedSum:
-    """Running sum of clipped user updates, shaped like the model's trainable parameters."""
+    """One round's private sum of clipped user updates, shaped like the trainable parameters.
 
-    def __init__(self, like: Mapping[str, torch.Tensor], clip_norm: float) -> None:
+    It opens from the aggregation's noise, so the round's release (:meth:`noisy_mean`) is the
+    same step DP-SGD takes: (noise + Σ clipped Δ) / B_c.
+    """
+
+    def __init__(
+        self,
+        like: Mapping[str, torch.Tensor],
+        clip_norm: float,
+        aggregation: PrivateAggregation,
+    ) -> None:
         self.clip_norm = check_positive("clip_norm", clip_norm)
-        self.total = {name: torch.zeros_like(t) for name, t in like.items()}
+        self.aggregation = aggregation
+        self.total = aggregation.open_sums(like)
         self.accepted = 0
         self.norms: list[float] = []
 
@@ -67,10 +70,7 @@ class ClippedSum:
         Raises :class:`MalformedUpdate` (and adds nothing) for missing or extra tensors, a wrong
         shape, or a NaN/inf value.
         """
-        checked = self._validate(delta)
-        clipped, norm = clip_update(checked, self.clip_norm)
-        for name, value in clipped.items():
-            self.total[name].add_(value)
+        norm = self.aggregation.add_clipped(self.total, self._validate(delta), self.clip_norm)
         self.accepted += 1
         self.norms.append(norm)
         return norm
@@ -107,19 +107,9 @@ class ClippedSum:
             checked[name] = value
         return checked
 
-    def noisy_mean(
-        self, noise: NoiseSource, noise_multiplier: float, expected_users: float
-    ) -> dict[str, torch.Tensor]:
-        """(Σ clipped Δ + N(0, σ²C²)) / B_c, with B_c the expected user count.
-
-        The noise stage is DP-SGD's (:class:`~dpfy.train.noise.mechanisms.GaussianMechanism`),
-        at the divisor's scale like the private step's: std σC/B_c on the sum ÷ B_c.
-        """
-        std = check_positive("noise_multiplier", noise_multiplier) * self.clip_norm
-        divisor = check_positive("expected_users", expected_users)
-        mean = {name: total / divisor for name, total in self.total.items()}
-        GaussianMechanism(frozenset(mean), noise, std / divisor).add_to(mean)
-        return mean
+    def noisy_mean(self) -> dict[str, torch.Tensor]:
+        """(Σ clipped Δ + N(0, σ²C²)) / B_c, with B_c the expected user count."""
+        return self.aggregation.release(self.total)
 
 
 # -- the server update: post-processing with any torch optimizer ----------------------------------

@@ -48,6 +48,7 @@ from dpfy.train.builder import warn_if_delta_too_large
 from dpfy.train.checks import check_model
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
+from dpfy.train.private_aggregation import PrivateAggregation
 from dpfy.train.step_record import StepRecord
 
 __all__ = [
@@ -319,7 +320,15 @@ class DPFedAvg:
         """Run one private round; raises BudgetExhausted (nothing applied) when it would not fit."""
         self.ledger.check_step(self.record)
         sampled = self._next_users()
-        total = ClippedSum({n: p.detach() for n, p in self.params.items()}, self.config.clip_norm)
+        aggregation = PrivateAggregation.gaussian(
+            frozenset(self.params),
+            self.noise,
+            self.config.noise_multiplier,
+            self.config.clip_norm,
+            self.config.clients_per_round,
+        )
+        like = {n: p.detach() for n, p in self.params.items()}
+        total = ClippedSum(like, self.config.clip_norm, aggregation)
         dropped = []
         for user in sampled:
             try:
@@ -327,9 +336,7 @@ class DPFedAvg:
             except MalformedUpdate as err:  # a diverged user counts as zero: always safe
                 log.warning("round %d: user %d dropped: %s", self.rounds_done + 1, user, err)
                 dropped.append(user)
-        update = total.noisy_mean(
-            self.noise, self.config.noise_multiplier, self.config.clients_per_round
-        )
+        update = total.noisy_mean()
         self.server.apply(update)
         self.ledger.record(self.record)
         self.rounds_done += 1

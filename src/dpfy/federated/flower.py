@@ -52,6 +52,7 @@ from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.train.builder import warn_if_delta_too_large
 from dpfy.train.ledger import BudgetExhausted, PrivacyLedger
 from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
+from dpfy.train.private_aggregation import PrivateAggregation
 from dpfy.train.step_record import StepRecord
 
 __all__ = ["DPFedAvgStrategy"]
@@ -210,7 +211,15 @@ class DPFedAvgStrategy(Strategy):
             log.warning("round %d: no sampled round to aggregate; nothing changed", server_round)
             return None, None
         self._round = None
-        total = ClippedSum(self._global_trainable(), self.clip_norm)
+        like = self._global_trainable()
+        aggregation = PrivateAggregation.gaussian(
+            frozenset(like),
+            self.noise,
+            self.noise_multiplier,
+            self.clip_norm,
+            self.clients_per_round,
+        )
+        total = ClippedSum(like, self.clip_norm, aggregation)
         for reply in replies:
             self._add_reply(total, current, reply)
         missing = len(current.sampled - current.replied)
@@ -220,7 +229,7 @@ class DPFedAvgStrategy(Strategy):
                 server_round,
                 missing,
             )
-        update = total.noisy_mean(self.noise, self.noise_multiplier, self.clients_per_round)
+        update = total.noisy_mean()
         assert self._server is not None  # set by configure_train's _sync_global
         self._server.apply(update)
         self.ledger.record(self.record)

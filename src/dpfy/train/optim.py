@@ -23,6 +23,8 @@ Adam, AdamW, Adagrad… all keep the same guarantee. The rules this module enfor
   since the last step (:mod:`dpfy.train.behaviour`): a probe that saw otherwise refuses the
   step before anything changes.
 
+The clip → sum ÷ expected units → noise part is the private aggregation DP-FedAvg and the Flower
+strategy release through too (:class:`~dpfy.train.private_aggregation.PrivateAggregation`).
 Independent noise is drawn in one place, on the training thread (on the parameters' device): on
 the last physical batch of a step the engine opens each parameter's sum from its noise just
 before that layer is summed, and adds the clipped sum into it in place, so a step holds one
@@ -39,13 +41,14 @@ import torch
 from dpfy.data.provenance import BatchRefused, DrawnBatch, Provenance
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingRecord
+from dpfy.train.accumulation import Accumulation
 from dpfy.train.behaviour.checks import BehaviourChecks
 from dpfy.train.distributed import GradientAggregator, LocalAggregator
 from dpfy.train.grads import ClipResult, GradEngine, NoiseStart
 from dpfy.train.ledger import PrivacyLedger
-from dpfy.train.noise import banded, blt  # noqa: F401  (they register their mechanisms)
-from dpfy.train.noise.mechanisms import NoiseMechanism, make_mechanism
+from dpfy.train.noise.mechanisms import NoiseMechanism
 from dpfy.train.noise.source import NoiseSource, TorchNoise
+from dpfy.train.private_aggregation import PrivateAggregation
 from dpfy.train.step_record import StepRecord
 
 
@@ -114,8 +117,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self.plan = plan
         self.boundary = boundary if boundary is not None else BatchBoundary()
         self.aggregator = aggregator if aggregator is not None else LocalAggregator()
-        self.mechanism: NoiseMechanism = make_mechanism(
-            plan, engine.params, noise if noise is not None else TorchNoise(), self._noise_share
+        #: clip → sum ÷ expected units → the plan's noise (sums formed at 1/B, noise at σC/B
+        #: times this rank's share: no pass over the parameters divides afterwards).
+        self.aggregation = PrivateAggregation.from_plan(
+            plan,
+            engine.params,
+            noise if noise is not None else TorchNoise(),
+            self.aggregator.share_std,
         )
         self.clip_observers: list[Callable[[ClipResult], None]] = []
         self.provenance = provenance
@@ -124,6 +132,13 @@ class DPOptimizer(torch.optim.Optimizer):
         #: What the user's code does, observed (make_private always builds it): None only for
         #: an optimizer assembled by hand, which then probes nothing.
         self.behaviour = behaviour
+        #: The physical batches (backward passes) of the logical batch in progress.
+        self.accumulation = Accumulation(engine)
+
+    @property
+    def mechanism(self) -> NoiseMechanism:
+        """The plan's noise mechanism (its state is what a checkpoint carries)."""
+        return self.aggregation.mechanism
 
     @property
     def noise(self) -> NoiseSource:
@@ -139,15 +154,6 @@ class DPOptimizer(torch.optim.Optimizer):
         """The unit this optimizer clips and accounts: 'example', 'microbatch' or 'user'."""
         return self.plan.clipping_unit
 
-    @property
-    def _noise_share(self) -> float:
-        """Std of the noise this process adds to the average: σ·sensitivity/B, over the ranks.
-
-        The sum is formed already divided by the expected units (see :meth:`_clip`), so the
-        noise is drawn at that scale too: no pass over the parameters divides it afterwards.
-        """
-        return self.aggregator.share_std(self.plan.noise_std) / self.plan.divisor
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Clip this batch; at the end of a logical batch, noise, account, and update.
 
@@ -157,10 +163,25 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        batch = self._take_batch()
-        closes = self.boundary.closes_batch
-        opening = self.mechanism.opening() if closes else None
-        result = self._guarded(self._clip, batch, opening, scale=1.0 / self.plan.divisor)
+        self._process(closes=self.boundary.closes_batch)
+        return loss
+
+    def accumulate(self) -> None:
+        """Clip the physical batch just backpropagated into this step's sum; no update yet.
+
+        Gradient accumulation: to process one loader batch in several forward and backward
+        passes (pieces that fit in memory, or a trainer's ``gradient_accumulation_steps``),
+        call this after each backward pass but the last, and :meth:`step` after the last. Each
+        piece is clipped per example as it comes; the step then noises once, divides by the
+        expected batch size, accounts one step and updates (:mod:`dpfy.train.accumulation`).
+        """
+        self._process(closes=False, split=True)
+
+    def _process(self, *, closes: bool, split: bool = False) -> None:
+        """Clip what the last backward pass captured; when ``closes``, noise, account, update."""
+        batch = self._take_batch(closes, split)
+        opening = self.aggregation.opening() if closes else None
+        result = self._guarded(self._explained, self._clip, batch, opening, self.aggregation.scale)
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
@@ -171,13 +192,14 @@ class DPOptimizer(torch.optim.Optimizer):
                 "or lower the learning rate, then reload the last checkpoint. Do not catch this "
                 "and train on: skipping a batch because of one example is not accounted"
             )
+        self.accumulation.clipped(batch)
         if not closes:
-            return loss
+            return
         sampling = self._guarded(self.mechanism.sampling, self.sampling, batch)
         sigma = self.plan.noise_multiplier
         charged = self._guarded(self.mechanism.step_event, sampling, batch, sigma)
         record = StepRecord(sampling, sigma, batch_size=self.engine.num_examples, charged=charged)
-        self._guarded(self.provenance.check_size, batch, self.engine.num_examples)
+        self._guarded(self._explained, self.provenance.check_size, batch, self.engine.num_examples)
         self._guarded(self.ledger.check_step, record)  # BudgetExhausted before anything changes
         self._write_private_grads()
         try:  # the privatised gradient now exists: it is accounted whatever the update does
@@ -186,24 +208,30 @@ class DPOptimizer(torch.optim.Optimizer):
             self.ledger.record(record)
             self.provenance.consume(batch)
             self.engine.reset()
+            self.accumulation.close()
             if self.behaviour is not None:
                 self.behaviour.accept_state()
-        return loss
 
-    def _take_batch(self) -> DrawnBatch:
+    def _take_batch(self, closes: bool = True, split: bool = False) -> DrawnBatch:
         """The drawn batch this step uses, after refusing every other path into the update.
 
         Refused, with nothing changed: layer calls from anything but the batch the private
         loader drew last (or from a batch already stepped on, or after one was skipped), a
         batch whose clipping units are not this optimizer's, and a parameter the wrapped
         optimizer would update that the engine does not clip and noise (unfrozen, or added with
-        ``add_param_group``, after make_private).
+        ``add_param_group``, after make_private), and a split batch that cannot be summed
+        (:class:`~dpfy.train.accumulation.Accumulation`).
         """
-        return self._guarded(self._checked_batch)
+        return self._guarded(self._checked_batch, closes, split)
 
-    def _checked_batch(self) -> DrawnBatch:
+    def _checked_batch(self, closes: bool, split: bool) -> DrawnBatch:
         """:meth:`_take_batch` without the clean-up on refusal."""
         self._check_updated_params()
+        self.accumulation.refuse(
+            self.provenance.current,
+            split=split or self.accumulation.open is not None,
+            chunked=self.boundary.chunk is not None,
+        )
         batch = self.provenance.check(self.engine.batch_stamps())
         if batch.unit != self.clipping_unit:
             raise BatchRefused(
@@ -213,7 +241,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         self.mechanism.check(batch)
         if self.behaviour is not None:  # a coupled batch or a model changed outside the step
-            self.behaviour.refuse(batch, closing=self.boundary.closes_batch)
+            self.behaviour.refuse(batch, closing=closes)
         return batch
 
     def _check_updated_params(self) -> None:
@@ -246,10 +274,21 @@ class DPOptimizer(torch.optim.Optimizer):
             self._abandon()
             raise
 
+    def _explained(self, stage: Callable[..., Any], *args: Any) -> Any:
+        """Run ``stage``; a failure caused by a missing ``accumulate()`` is named as that."""
+        try:
+            return stage(*args)
+        except Exception as err:
+            explained = self.accumulation.explain(err)
+            if explained is err:
+                raise
+            raise explained from err
+
     def _abandon(self) -> None:
         """Forget the logical batch in progress (its sum and captures); the model is untouched."""
         self.engine.reset()
         self.engine.discard_captures()
+        self.accumulation.close()
         self.aggregator.skip()
 
     def _units(self, batch: DrawnBatch) -> torch.Tensor | None:
@@ -282,7 +321,7 @@ class DPOptimizer(torch.optim.Optimizer):
         noised shares (dpfy.train.distributed).
         """
         summed = self.engine.summed_grads()
-        noisy = self.aggregator.combine(self.mechanism.privatise(summed))
+        noisy = self.aggregator.combine(self.aggregation.release(summed))
         for name, total in noisy.items():
             self.engine.params[name].grad = total
 
