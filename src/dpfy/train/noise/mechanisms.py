@@ -139,7 +139,8 @@ class GaussianMechanism:
     """Independent N(0, std²) per coordinate, every step, on every trainable parameter.
 
     The noise is drawn on the training thread, on the parameters' device, into each sum as the
-    engine opens it (no parameter-sized temporary); DP-FedAvg's rounds use :meth:`add_to`.
+    engine opens it (no parameter-sized temporary); DP-FedAvg's rounds open theirs the same way
+    (:meth:`~dpfy.train.private_aggregation.PrivateAggregation.open_sums`).
     """
 
     def __init__(self, names: frozenset[str], source: NoiseSource, std: float) -> None:
@@ -167,11 +168,6 @@ class GaussianMechanism:
     def privatise(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The sums already hold their noise (opened from it)."""
         return sums
-
-    def add_to(self, sums: Mapping[str, torch.Tensor]) -> None:
-        """Add the noise into sums formed outside the engine (in place)."""
-        for total in sums.values():
-            total.add_(self.source.normal(total, self.std))
 
     def state_dict(self) -> dict[str, Any]:
         """Stateless: independent noise carries nothing over a resume (the source starts a
