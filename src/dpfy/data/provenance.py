@@ -103,7 +103,8 @@ class Provenance:
             raise BatchRefused(
                 "this step holds gradients of more than one loader batch (gradient accumulation "
                 "by hand); one step is one sampled batch: to split a batch over memory, pass "
-                "max_physical_batch_size to make_private instead"
+                "max_physical_batch_size to make_private, or feed one loader batch in pieces "
+                "with optimizer.accumulate() after each backward pass but the last"
             )
         if batch.number > self._next:
             raise BatchRefused(
@@ -121,7 +122,9 @@ class Provenance:
             raise BatchRefused(
                 f"the step clipped {examples} examples but the private loader drew a batch of "
                 f"{batch.size}; pass each loader batch to the model whole and unchanged (to "
-                "split a batch over memory, pass max_physical_batch_size to make_private)"
+                "split a batch over memory, pass max_physical_batch_size to make_private, or "
+                "feed it in pieces and call optimizer.accumulate() after each backward pass but "
+                "the last)"
             )
 
     def consume(self, batch: DrawnBatch) -> None:

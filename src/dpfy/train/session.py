@@ -251,6 +251,7 @@ class PrivateTraining:
         """The run's privacy settings at a glance."""
         s = self.plan
         return (
+        self.optimizer.accumulation.remove()
             f"PrivateTraining(N={s.dataset_size}, B={s.expected_batch_size}, "
             f"q={s.sampling_rate:.4g}, σ={s.noise_multiplier:.4g}, C={s.max_grad_norm:g}, "
             f"steps={s.steps}, δ={s.delta:g}, engine={self.engine.kind})"
