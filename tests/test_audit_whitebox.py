@@ -129,8 +129,8 @@ def test_dividing_by_the_realised_batch_size_is_caught(monkeypatch):
     step = settings(1.0, records=2, batch_size=1)
     take, clip = DPOptimizer._take_batch, DPOptimizer._clip
 
-    def realised_take(self):
-        batch = take(self)
+    def realised_take(self, *args, **kwargs):
+        batch = take(self, *args, **kwargs)
         self.mechanism.std = self.plan.noise_std / max(batch.size, 1)
         return batch
 

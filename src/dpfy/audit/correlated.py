@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,10 +98,9 @@ from dpfy.audit.canaries import (
     coin_generator,
     out_mean,
 )
-from dpfy.audit.observe import StepSettings, _loss, _private_session, _Rows
+from dpfy.audit.observe import StepSettings, _private_session, _Rows, watch_updates
 from dpfy.audit.one_run import score_and_guess
 from dpfy.audit.result import AuditResult
-from dpfy.data.loader import rest_of_run
 from dpfy.plan.correlated_events import decode_strategy, describe_strategy
 
 #: Share of each side's trials that chooses the classical threshold (the rest evaluate it).
@@ -203,25 +201,9 @@ def run_factorised_session(
                 "audit with the run's own dpfy version"
             )
         total = settings.steps if limit is None else min(limit, settings.steps)
-        updates = np.empty((total, design.coordinates))
-        step = 0
-        previous = model.weights.clone()
         rows.watching = True
-        with warnings.catch_warnings():  # the audited run's own choices were warned about
-            warnings.simplefilter("ignore")
-            for batch in rest_of_run(private.loader):
-                private.optimizer.zero_grad()
-                _loss(model(batch), settings.loss_reduction).backward()
-                private.optimizer.step()
-                current = model.weights.clone()
-                updates[step] = (previous - current).numpy()
-                previous = current
-                step += 1
-                if on_step is not None:
-                    on_step()
-                if step == total:
-                    break
-            claimed = private.epsilon()
+        watched = watch_updates(private, model, settings, total, on_step)
+        step, claimed = watched.updates.shape[0], watched.epsilon
         rows.watching = False
         if len(rows.fetched) != step:
             raise RuntimeError(
@@ -236,7 +218,7 @@ def run_factorised_session(
             else _fetched_steps(rows.fetched, design.canaries, included, side)
         )
         return FactorisedSession(
-            updates=updates[:step] * settings.batch_size / settings.max_grad_norm,
+            updates=watched.updates * settings.batch_size / settings.max_grad_norm,
             steps=steps,
             coefficients=coefficients,
             noise_multiplier=plan.noise_multiplier,

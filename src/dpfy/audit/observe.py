@@ -206,8 +206,42 @@ def run_session(
     steps = blocks * settings.steps_per_block
     model = CanaryModel(design.coordinates)
     private = _private_session(settings, model, rows, steps, seed)
-    updates = np.empty((steps, design.coordinates))
-    block_epsilon = math.nan
+    try:
+        watched = watch_updates(private, model, settings, steps, on_step, settings.steps_per_block)
+    finally:
+        private.engine.detach()
+    scale = settings.batch_size / settings.max_grad_norm
+    return Session(watched.updates * scale, watched.epsilon_at_mark, watched.epsilon)
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What the auditor saw of one session: each step's update (−Δθ, un-normalised, one row per
+    step taken), the ledger's ε after ``mark`` steps (NaN if the session stopped earlier) and
+    after the last step, both at the run's δ."""
+
+    updates: np.ndarray
+    epsilon_at_mark: float
+    epsilon: float
+
+
+def watch_updates(
+    private,  # PrivateTraining (not imported: its module is the builder's)
+    model: CanaryModel,
+    settings: StepSettings,
+    total: int,
+    on_step: Callable[[], None] | None = None,
+    mark: int | None = None,
+) -> Watched:
+    """Step the audit session up to ``total`` times and record every update: the audit loop.
+
+    Every white-box session (one step, a DP-FTRL epoch, a whole matrix-factorisation run) is
+    this loop, so they observe the private step the same way: the run's own loader, loss
+    reduction and optimizer step, the weights read before and after (SGD at learning rate 1,
+    so −Δθ is the released noisy gradient). ``on_step`` is called after every step.
+    """
+    updates = np.empty((total, model.weights.numel()))
+    at_mark = math.nan
     step = 0
     previous = model.weights.clone()
     with warnings.catch_warnings():  # the audited run's own choices were warned about already
@@ -222,12 +256,12 @@ def run_session(
             step += 1
             if on_step is not None:
                 on_step()
-            if step == settings.steps_per_block:
-                block_epsilon = private.epsilon()
+            if step == mark:
+                at_mark = private.epsilon()
+            if step == total:
+                break
         claimed = private.epsilon()
-    private.engine.detach()
-    scale = settings.batch_size / settings.max_grad_norm
-    return Session(updates[:step] * scale, block_epsilon, claimed)
+    return Watched(updates[:step], at_mark, claimed)
 
 
 def _private_session(
@@ -308,4 +342,11 @@ def _loss(outputs: torch.Tensor, reduction: str) -> torch.Tensor:
     return outputs.mean() if reduction == "mean" else outputs.sum()
 
 
-__all__ = ["FACTORISED_ALGORITHMS", "Session", "StepSettings", "run_session"]
+__all__ = [
+    "FACTORISED_ALGORITHMS",
+    "Session",
+    "StepSettings",
+    "Watched",
+    "run_session",
+    "watch_updates",
+]
