@@ -18,7 +18,7 @@ STAGES = ("plan", "data", "train", "audit", "access", "tune", "federated", "repo
 #: Each layer may import only the layers before it (the order the README states).
 LAYERS = (
     ("_lazy",),  # the lazy-export helper every package __init__ uses
-    ("dpfy", "_validate"),  # the root package imports only _lazy (its names load lazily)
+    ("dpfy", "_validate", "_safe_io"),  # the root package imports only _lazy (lazy names)
     ("plan",),
     ("data",),
     ("train",),

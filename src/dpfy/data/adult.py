@@ -15,6 +15,7 @@ naming the columns, incl. ``income`` (``educational-num`` and ``gender`` accepte
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +155,13 @@ def read_adult(path: str | Path) -> AdultTable:
             numeric[r] = [float(row[index[c]]) for c in NUMERIC]
         except ValueError as err:
             raise AdultFormatError(f"{where}: a numeric column is not a number ({err})") from None
+        for column, value in zip(NUMERIC, numeric[r], strict=True):
+            if not math.isfinite(value):
+                raise AdultFormatError(
+                    f"{where}, column {column}: {row[index[column]]!r} is not a finite number; "
+                    "remove or impute that value (dpfy refuses NaN and infinite features: they "
+                    "make NaN predictions and gradients)"
+                )
         labels[r] = _label(row[index["income"]], where)
     categorical = {a: [row[index[a]] for row in rows] for a in CATEGORIES}
     return AdultTable(numeric=numeric, categorical=categorical, labels=labels)

@@ -41,7 +41,12 @@ from pathlib import Path
 from dpfy._validate import check_count
 from dpfy.data.adult_dataset import _load_adult
 from dpfy.data.idx_datasets import _load_fashion_mnist, _load_mnist
-from dpfy.data.loaded_dataset import DatasetNotFound, LoadedDataset, LoadOptions
+from dpfy.data.loaded_dataset import (
+    DatasetNotFound,
+    LoadedDataset,
+    LoadOptions,
+    refuse_non_finite,
+)
 from dpfy.data.sklearn_datasets import _load_breast_cancer, _load_digits
 
 __all__ = [
@@ -123,6 +128,9 @@ def load_dataset(
                 f"{name}: the {split} split holds no examples ({data.source}); supply files "
                 f"whose {split} split has examples"
             )
+        # Every loader path (train, the access models, federated, tuning) passes here: a NaN
+        # feature is refused by name whatever the loader did before.
+        refuse_non_finite(part.tensors[0], f"{name} {split} split (from {data.source})")
     return data
 
 

@@ -15,6 +15,7 @@ from dpfy.data.loaded_dataset import (
     LoadOptions,
     _split_note,
     _tensors,
+    refuse_non_finite,
 )
 from dpfy.data.preprocessing import Preprocessing
 
@@ -96,6 +97,7 @@ def _read_split(
             f"({files[f'{split}_labels']}); restore an intact copy of the files"
         )
     _check_labels(labels, 10, files[f"{split}_labels"], name)
+    refuse_non_finite(images, f"{name}: {files[f'{split}_images']}", first_row=0)
     return images, labels
 
 

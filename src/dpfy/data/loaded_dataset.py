@@ -13,7 +13,14 @@ from torch.utils.data import TensorDataset
 
 from dpfy.data.preprocessing import Preprocessing, PublicRangeScaler
 
-__all__ = ["SPLIT_SEED", "TEST_FRACTION", "DatasetNotFound", "LoadOptions", "LoadedDataset"]
+__all__ = [
+    "SPLIT_SEED",
+    "TEST_FRACTION",
+    "DatasetNotFound",
+    "LoadOptions",
+    "LoadedDataset",
+    "refuse_non_finite",
+]
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
@@ -66,6 +73,38 @@ class LoadedDataset:
 
 
 # --------------------------------------------------------------------------- shared helpers
+
+
+def refuse_non_finite(
+    features: np.ndarray | torch.Tensor,
+    where: str,
+    columns: tuple[str, ...] | None = None,
+    *,
+    first_row: int = 1,
+) -> None:
+    """Refuse NaN or ±inf features, naming ``where`` (the file), the row and the column.
+
+    A non-finite feature gives a NaN logit, which ``argmax`` counts as class 0 and the loss turns
+    into a NaN gradient: accuracy would be printed for garbage, and a DP-SGD step would fail or
+    pass by sampling luck. So it is refused at load, before anything trains. Rows count from
+    ``first_row`` (1: the first data row); columns are named by ``columns`` or numbered from 0.
+    """
+    array = features.numpy() if isinstance(features, torch.Tensor) else np.asarray(features)
+    if array.dtype.kind not in "fc" or array.size == 0:
+        return
+    flat = array.reshape(len(array), -1)
+    bad = ~np.isfinite(flat)
+    if not bad.any():
+        return
+    row, column = (int(i) for i in np.argwhere(bad)[0])
+    name = columns[column] if columns is not None and column < len(columns) else str(column)
+    count = int(bad.sum())
+    more = "" if count == 1 else f" ({count} non-finite values in all)"
+    raise ValueError(
+        f"{where}: row {row + first_row}, column {name} holds {float(flat[row, column])!r}, not a "
+        f"finite number{more}; remove or impute those values before training (a NaN or "
+        "infinite feature makes NaN predictions and gradients)"
+    )
 
 
 def _tensors(features: np.ndarray, labels: np.ndarray, shape: tuple[int, ...]) -> TensorDataset:

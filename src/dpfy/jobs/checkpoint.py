@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dpfy._safe_io import atomic_write_text, check_regular_file, read_json
 from dpfy.report.clip_norms import NormLog
 from dpfy.train.checkpoints import save_atomically
 from dpfy.train.session import PrivateTraining
@@ -40,6 +41,8 @@ _LOCK_FILE = ".dpfy-resume-lock"
 _FORMAT = "dpfy.train-job-checkpoint"
 
 RUNNING, INTERRUPTED, FINISHED = "running", "interrupted", "finished"
+#: A run stopped by an error (a failing step, a full disk): what it wrote so far is kept.
+FAILED = "failed"
 
 
 @dataclass
@@ -90,6 +93,10 @@ def load_checkpoint(private: PrivateTraining, run_dir: Path) -> JobState:
 
 def _read(path: Path, run_dir: Path, *, mmap: bool = False) -> dict[str, Any]:
     """The job checkpoint at ``path``, or the one message for why it cannot be resumed."""
+    try:
+        check_regular_file(path, "checkpoint")  # a FIFO or a device would block or never end
+    except FileNotFoundError:
+        raise ValueError(no_checkpoint(run_dir)) from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
@@ -189,11 +196,21 @@ def no_checkpoint(run_dir: Path) -> str:
 
 
 def write_status(
-    run_dir: Path, status: str, steps_taken: int, planned_steps: int, *, resumable: bool = True
+    run_dir: Path,
+    status: str,
+    steps_taken: int,
+    planned_steps: int,
+    *,
+    resumable: bool = True,
+    error: str | None = None,
 ) -> None:
     """Record the run's state, and which process holds it while it runs (and, interrupted, the
-    command that resumes it, unless its checkpoint was already resumed once)."""
-    document = {
+    command that resumes it, unless its checkpoint was already resumed once; failed, the error).
+
+    Written beside ``status.json``, fsynced and renamed over it: a crash or a full disk leaves
+    the previous status whole (:func:`dpfy._safe_io.atomic_write_text`).
+    """
+    document: dict[str, Any] = {
         "status": status,
         "pid": os.getpid(),
         "host": socket.gethostname(),
@@ -202,15 +219,33 @@ def write_status(
     }
     if status == INTERRUPTED and resumable:
         document["resume"] = f"dpfy train --resume {run_dir}"
-    temporary = run_dir / f".{STATUS_FILE}.tmp"
-    temporary.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, run_dir / STATUS_FILE)
+    if error is not None:
+        document["error"] = error
+    atomic_write_text(run_dir / STATUS_FILE, json.dumps(document, indent=2) + "\n")
+
+
+def restore_status(run_dir: Path, document: dict[str, Any] | None) -> None:
+    """Put back a status document read earlier (a resume that failed before its first step
+    leaves the run as it found it: interrupted, not running in a process that has ended)."""
+    if document is None:
+        return
+    with contextlib.suppress(ValueError):
+        atomic_write_text(run_dir / STATUS_FILE, json.dumps(document, indent=2) + "\n")
+
+
+def mark_failed(run_dir: Path, err: BaseException, steps_taken: int, planned_steps: int) -> None:
+    """Best effort: record that the run stopped on ``err`` (a full disk may refuse even this;
+    what was written before is never touched)."""
+    reason = " ".join(str(err).split()) or type(err).__name__
+    with contextlib.suppress(ValueError, OSError):
+        write_status(run_dir, FAILED, steps_taken, planned_steps, error=reason[:500])
 
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:
-    """The run's ``status.json``, or None where there is none (or it is unreadable)."""
+    """The run's ``status.json``, or None where there is none (or it is unreadable, not a
+    regular file, or absurdly large: it is read bounded and without blocking)."""
     try:
-        document = json.loads((run_dir / STATUS_FILE).read_text(encoding="utf-8"))
+        document = read_json(run_dir / STATUS_FILE, "status file", limit=2**20)
     except (OSError, ValueError):
         return None
     return document if isinstance(document, dict) else None

@@ -204,9 +204,11 @@ def config_document(config: TrainConfig) -> dict[str, Any]:
 
 def write_config(config: TrainConfig, run_dir: Path) -> Path:
     """Write the run's ``config.json`` (what ``--config`` replays and ``--resume`` continues)."""
-    target = run_dir / CONFIG_FILE
-    target.write_text(json.dumps(config_document(config), indent=2) + "\n", encoding="utf-8")
-    return target
+    from dpfy._safe_io import atomic_write_text  # fsynced, then renamed: never a 0-byte file
+
+    return atomic_write_text(
+        run_dir / CONFIG_FILE, json.dumps(config_document(config), indent=2) + "\n"
+    )
 
 
 def read_config(path: Path) -> TrainConfig:

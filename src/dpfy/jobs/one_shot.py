@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from dpfy.jobs.checkpoint import FINISHED, RUNNING, write_status
+from dpfy._safe_io import write_failed
+from dpfy.jobs.checkpoint import FINISHED, RUNNING, mark_failed, write_status
 from dpfy.jobs.config import TrainConfig, write_config
 from dpfy.jobs.run_dir import claim_run_dir, release_run_dir
 
@@ -35,7 +36,15 @@ def run_one_shot(
     try:
         write_config(config, run_dir)
         write_status(run_dir, RUNNING, 0, 1)
-        result = body(run_dir)
+        try:
+            result = body(run_dir)
+        except Exception as err:
+            # Never left "running": the run is marked failed, what it wrote is kept, and an OS
+            # error at write time is one line naming the file.
+            mark_failed(run_dir, err, 0, 1)
+            if isinstance(err, OSError):
+                raise write_failed(Path(err.filename or run_dir), err) from None
+            raise
         write_status(run_dir, FINISHED, 1, 1)
         return result
     finally:

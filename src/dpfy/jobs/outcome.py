@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dpfy._safe_io import atomic_write, atomic_write_text
 from dpfy.data.datasets import LoadedDataset
 from dpfy.data.users import UserSplit
 from dpfy.jobs.checkpoint import (
@@ -21,6 +22,7 @@ from dpfy.jobs.checkpoint import (
     RUNNING,
     JobState,
     checkpoint_consumed,
+    mark_failed,
     remove_checkpoint,
     save_checkpoint,
     write_status,
@@ -69,6 +71,12 @@ class Interrupted(Exception):
     def report(self) -> Path:
         """The report of what was spent so far."""
         return self.run_dir / "report.md"
+
+
+def failed(run_dir: Path, err: BaseException, private: PrivateTraining) -> None:
+    """The run stopped on an error: status "failed" naming it; everything written is kept (the
+    last periodic checkpoint included)."""
+    mark_failed(run_dir, err, private.ledger.steps, private.plan.steps)
 
 
 def started(run_dir: Path, config: TrainConfig, private: PrivateTraining) -> None:
@@ -134,7 +142,7 @@ def finished(
     """Write the finished run; return the pitfalls its report card flags, errors first."""
     from dpfy.report.pitfalls import find_pitfalls
 
-    torch.save(private.model.state_dict(), run_dir / "model.pt")
+    atomic_write(run_dir / "model.pt", lambda path: torch.save(private.model.state_dict(), path))
     facts = _facts(private, config, data, split, job, test_accuracy, baseline)
     _write_report(run_dir, facts, job)
     remove_checkpoint(run_dir)
@@ -175,10 +183,10 @@ def interrupted(
         if resumable
         else f"The run {NOT_RESUMABLE}."
     )
-    report.write_text(
+    atomic_write_text(
+        report,
         f"> **Interrupted** after {steps} of {planned} planned steps: this report covers only "
         f"what was spent so far. {then}\n\n" + report.read_text(encoding="utf-8"),
-        encoding="utf-8",
     )
     write_status(run_dir, INTERRUPTED, steps, planned, resumable=resumable)
     return Interrupted(

@@ -25,6 +25,7 @@ from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader
 
+from dpfy._safe_io import write_failed
 from dpfy.data.datasets import LoadedDataset, load_dataset
 from dpfy.data.users import UserSplit, split_users
 from dpfy.jobs.checkpoint import (
@@ -228,7 +229,6 @@ def _train_into(
 ) -> TrainResult:
     """Load, train, evaluate and (on the writer) fill the claimed ``run_dir``."""
     from dpfy.jobs import outcome
-    from dpfy.report.clip_norms import record_clip_norms
 
     started = time.perf_counter()
     data = load_dataset(config.dataset, data_dir=config.data_dir)
@@ -240,6 +240,37 @@ def _train_into(
         console.print(f"resuming at step {resumed_at} of {private.plan.steps}", soft_wrap=True)
     if replicas.is_writer:
         outcome.started(run_dir, config, private)
+    try:
+        return _train_started(run_dir, config, console, replicas, data, private, split, job,
+                              resumed_at, started)  # fmt: skip
+    except outcome.Interrupted:
+        raise
+    except Exception as err:
+        # A failing step or a full disk: the run is marked failed (never left "running"), what
+        # it wrote is kept, and an OS error at write time is one line naming the file.
+        if replicas.is_writer:
+            outcome.failed(run_dir, err, private)
+        if isinstance(err, OSError):
+            raise write_failed(Path(err.filename or run_dir), err) from None
+        raise
+
+
+def _train_started(
+    run_dir: Path,
+    config: TrainConfig,
+    console: Console,
+    replicas: SingleProcess | ProcessGroupReplicas,
+    data: LoadedDataset,
+    private: PrivateTraining,
+    split: UserSplit | None,
+    job: JobState,
+    resumed_at: int | None,
+    started: float,
+) -> TrainResult:
+    """Train the started run, evaluate, and (on the writer) write how it ended."""
+    from dpfy.jobs import outcome
+    from dpfy.report.clip_norms import record_clip_norms
+
     eval_every = max(1, private.plan.steps // 20)  # also the checkpoint period
     with record_clip_norms(private) as norms, deferred_interrupts(replicas.world_size == 1) as stop:
 

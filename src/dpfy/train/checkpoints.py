@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dpfy._safe_io import fsync_directory, write_failed
+
 FORMAT = "dpfy.checkpoint"
 VERSION = 4
 PARTS = ("plan", "model", "optimizer", "ledger", "loader", "mechanism", "run")
@@ -36,17 +38,32 @@ def save_atomically(state: Any, target: Path) -> Path:
     """``torch.save`` into ``target`` so a crash mid-write keeps the previous file whole.
 
     The file is owner-only: mkstemp creates it so, and os.replace keeps that (a checkpoint holds
-    the sampling generator's state, from which the batches drawn can be reconstructed).
+    the sampling generator's state, from which the batches drawn can be reconstructed). It is
+    fsynced before the rename (and the directory after), so after a power loss the target is the
+    old checkpoint or the new one, never a renamed empty file. A full disk or any other OS error
+    — torch reports its own as a RuntimeError — is one :class:`~dpfy._safe_io.WriteFailed`
+    naming the file, with the previous checkpoint untouched.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    except OSError as err:
+        raise write_failed(target, err) from None
     os.close(handle)
     try:
         torch.save(state, temporary)
+        fd = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(temporary, target)
+    except (OSError, RuntimeError) as err:
+        raise write_failed(target, err) from None
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+    fsync_directory(target.parent)
     return target
 
 

@@ -36,6 +36,9 @@ from dpfy.train.virtual import VirtualBatchLoader
 
 #: The ledger label of steps taken after a checkpoint that the run then went back to.
 REWOUND = "rewound steps"
+#: The label of the steps a session took before it loaded another run's checkpoint: released on
+#: the same data, so they stay in its ledger.
+SPENT_BEFORE_LOAD = "steps before loading another run's checkpoint"
 
 
 class PrivateTraining:
@@ -153,9 +156,11 @@ class PrivateTraining:
         not belong with its sampler state (another run's, an earlier one, an emptied one), and a
         run whose noise source cannot start a fresh stream (no ``reseed``). Going back to an
         earlier checkpoint of this same run keeps what was spent since: those steps are carried
-        in the ledger as :data:`REWOUND` releases, so ε never goes down. A DP-FTRL, BandMF or BLT
-        run cannot go back at all. Checkpoints of dpfy versions that saved the noise state still
-        load; that state is ignored, and plan fields they predate take their defaults.
+        in the ledger as :data:`REWOUND` releases, so ε never goes down; loading another run's
+        checkpoint keeps what this session spent before, as :data:`SPENT_BEFORE_LOAD`. A
+        DP-FTRL, BandMF or BLT run cannot go back at all. Checkpoints of dpfy versions that saved
+        the noise state still load; that state is ignored, and plan fields they predate take
+        their defaults.
         """
         state = unseal(state)
         if not callable(getattr(self.noise, "reseed", None)):
@@ -174,8 +179,12 @@ class PrivateTraining:
             )
         ledger = PrivacyLedger.from_state_dict(state["ledger"])  # validates before any change
         _check_binding(ledger, state["run"], mine, state["mechanism"])
-        rewound = self.ledger.spent_beyond(ledger) if ledger.run_id == self.run_id else {}
-        if rewound and self.plan.mechanism != "gaussian":
+        carried = REWOUND if ledger.run_id == self.run_id else SPENT_BEFORE_LOAD
+        if ledger.run_id == self.run_id:
+            rewound = self.ledger.spent_beyond(ledger)
+        else:  # another run's checkpoint: what this session already released stays spent
+            rewound = self.ledger.spent_beyond(PrivacyLedger.from_state_dict(_emptied(ledger)))
+        if rewound and ledger.run_id == self.run_id and self.plan.mechanism != "gaussian":
             raise ValueError(
                 f"the checkpoint is an earlier point of this {self.plan.algorithm} run: training "
                 f"on from it would release again noise correlated with steps already released "
@@ -206,7 +215,7 @@ class PrivateTraining:
         self.ledger.load_state_dict(ledger.state_dict())
         for (label, event), count in rewound.items():
             self.ledger.record_event(
-                event, label=REWOUND if label == TRAINING else label, count=count
+                event, label=carried if label in (TRAINING, REWOUND) else label, count=count
             )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -256,6 +265,12 @@ class PrivateTraining:
             f"q={s.sampling_rate:.4g}, σ={s.noise_multiplier:.4g}, C={s.max_grad_norm:g}, "
             f"steps={s.steps}, δ={s.delta:g}, engine={self.engine.kind})"
         )
+
+
+def _emptied(ledger: PrivacyLedger) -> dict[str, Any]:
+    """``ledger``'s state with nothing recorded: what another run's checkpoint takes over of
+    this session's own ledger (so all of it is carried)."""
+    return {**ledger.state_dict(), "entries": [], "examples_seen": 0, "sized_steps": 0}
 
 
 def _with_defaults(saved: Any) -> Any:
