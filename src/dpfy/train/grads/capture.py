@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from dpfy.train.grads.broadcast import SharedInputs, expand_output, shares_batch
+from dpfy.train.grads.dropout import MaskRecorder, has_dropout_inside
+from dpfy.train.grads.inputs import call_size, input_batch_dim
 from dpfy.train.grads.precision import autocast_dtype
 
 __all__ = ["Call", "Tap", "Taps", "output_tensors", "release"]
@@ -58,6 +60,11 @@ class Call:
     #: The dtype autocast cast to on the output's device when the call ran (None: autocast off),
     #: so that the vmap engine replays the layer in the same precision.
     autocast: torch.dtype | None = None
+    #: The call's keyword arguments (replayed with it by the vmap engine).
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The dropout masks drawn inside the layer during this call, in order (see
+    #: :mod:`dpfy.train.grads.dropout`), so that its replay applies the same ones.
+    masks: tuple[Tensor, ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -75,7 +82,7 @@ class Call:
     def release(self) -> None:
         """Drop every tensor this call holds (autograd hooks may keep the object itself alive)."""
         self.inputs, self.versions, self.grads, self.out_meta, self.out_index = (), (), [], [], []
-        self.cache = {}
+        self.cache, self.kwargs, self.masks = {}, {}, ()
         self.compact = None
 
     def stale_input(self) -> bool:
@@ -97,6 +104,9 @@ class Tap:
     calls: list[Call] = dataclasses.field(default_factory=list)
     frozen: list[nn.Parameter] = dataclasses.field(default_factory=list)
     reroot: bool = False
+    #: Whether a dropout lies inside the layer (its masks are then recorded per call).
+    dropouts: bool = False
+    recording: list[list[Tensor]] = dataclasses.field(default_factory=list)
 
 
 def output_tensors(value: Any) -> Iterable[Tensor]:
@@ -128,29 +138,42 @@ class Taps:
         self.stamp: Callable[[], int | None] | None = None  # which loader batch is in hand
         self._fresh = True
         self._handles: list[RemovableHandle] = []
+        self.batch_first = batch_first
+        self.masks = MaskRecorder()
+        self.masks.enabled = lambda: self.active
 
     def attach(self, root: nn.Module | None = None) -> None:
         """Register one forward pre-hook and one forward hook per watched layer.
 
         ``root`` (the whole model) gets a pre-hook too, so that a step starts when the model's
         forward does, before any code of its own runs ahead of the first watched layer.
+        The forward hook goes first among the layer's forward hooks (``prepend``): it sees the
+        output of the layer's own ``forward``, so a user's hook that rescales the output is part
+        of the model downstream of the layer, and the gradient captured is that of the layer's
+        own output (what its per-example gradients are formed from).
         """
         if root is not None:
             self._handles.append(root.register_forward_pre_hook(self._root, with_kwargs=True))
         for tap in self.taps:
+            tap.dropouts = has_dropout_inside(tap.module)
             self._handles.append(tap.module.register_forward_pre_hook(partial(self._pre, tap)))
             self._handles.append(
-                tap.module.register_forward_hook(partial(self._post, tap), always_call=True)
+                tap.module.register_forward_hook(
+                    partial(self._post, tap), always_call=True, with_kwargs=True, prepend=True
+                )
             )
+        self.masks.attach([tap.module for tap in self.taps if tap.dropouts])
 
     def remove(self) -> None:
         """Remove every hook and give back any parameter still switched off by a pre-hook."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.masks.remove()
         for tap in self.taps:
             self._unfreeze(tap)
             release(tap)
+            tap.recording.clear()
 
     def take(self) -> list[Tap]:
         """The taps that captured at least one call; the caller must clear them afterwards."""
@@ -179,6 +202,10 @@ class Taps:
         """
         if self._fresh:
             self._begin()
+        if tap.dropouts and self.active and torch.is_grad_enabled():
+            masks: list[Tensor] = []
+            tap.recording.append(masks)
+            self.masks.open.append(masks)
         if not (tap.skip_param_grad and self.active and torch.is_grad_enabled()):
             return
         if len(args) == 1 and isinstance(args[0], Tensor):  # one input: the common case
@@ -207,8 +234,20 @@ class Taps:
             if self.on_start is not None:
                 self.on_start()
 
-    def _post(self, tap: Tap, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    def _post(
+        self,
+        tap: Tap,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> Any:
         """Restore the parameters, keep the inputs, and hook the gradient of each output."""
+        masks: tuple[Tensor, ...] = ()
+        if tap.recording:
+            recorded = tap.recording.pop()
+            masks = tuple(recorded)
+            self.masks.open = [m for m in self.masks.open if m is not recorded]
         reroot, tap.reroot = tap.reroot, False
         skipped = bool(tap.frozen)
         if skipped:
@@ -248,7 +287,11 @@ class Taps:
             skipped=skipped,
             stamp=None if self.stamp is None else self.stamp(),
             autocast=autocast_dtype(outputs[0].device.type),
+            kwargs=dict(kwargs) if kwargs else {},
+            masks=masks,
         )
+        if not (args and isinstance(args[0], Tensor)) or input_batch_dim(module) is not None:
+            call.size = call_size(module, tuple(args), kwargs, batch_first=self.batch_first)
         tap.calls.append(call)
         for j, out in enumerate(outputs):
             out.register_hook(partial(self._store_grad, tap, call, j))

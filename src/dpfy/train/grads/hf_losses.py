@@ -42,6 +42,7 @@ _HEADS: tuple[tuple[str, HeadLoss], ...] = (
     ("ForMaskedLM", HeadLoss(shift=False, per_token=True)),
     ("ForTokenClassification", HeadLoss(shift=False, per_token=True)),
     ("ForSequenceClassification", HeadLoss(shift=False, per_token=False)),
+    ("ForImageClassification", HeadLoss(shift=False, per_token=False)),  # the same loss as above
 )
 
 

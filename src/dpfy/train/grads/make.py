@@ -7,6 +7,7 @@ from typing import Literal
 from torch import nn
 from torch.nn.utils import parametrize
 
+from dpfy.train.grads import recurrent as _recurrent  # noqa: F401 - recurrent layouts
 from dpfy.train.grads import rules as _rules  # noqa: F401 - registers the layer rules
 from dpfy.train.grads.capture import Tap
 from dpfy.train.grads.engine import WATCHED, GradEngine

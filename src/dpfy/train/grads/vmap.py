@@ -16,17 +16,23 @@ vjp whose clip weights and sum would be rounded to the half-precision outputs' d
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
-from torch.func import functional_call, vjp, vmap
+from torch import Tensor, nn
+from torch.func import vjp, vmap
+from torch.utils import _pytree as pytree
 
-from dpfy.train.grads.capture import Call, Tap, output_tensors
+from dpfy.train.grads.capture import Call, Tap
+from dpfy.train.grads.dropout import replaying
 from dpfy.train.grads.engine import GradEngine
 from dpfy.train.grads.layout import Units
 from dpfy.train.grads.norms import sq_norm
 from dpfy.train.grads.precision import autocast_as, compute_dtype, is_low
+from dpfy.train.grads.replay import Piece, ReplayPlan, bare_call, replay_plan
 
 __all__ = ["VmapEngine", "per_example_grads", "weighted_grads"]
 
@@ -55,37 +61,55 @@ def _cotangents(grads: tuple[Tensor, ...], outs: tuple[Tensor, ...]) -> tuple[Te
 
 
 def per_example_grads(tap: Tap, call: Call, batch_dim: int) -> dict[str, Tensor]:
-    """Each example's gradient of the layer's own trainable parameters, (B, *shape) by name."""
-    module = tap.module
-    n = call.inputs[0].shape[batch_dim]
-    params = {name: getattr(module, name).detach() for name in sorted(tap.trainable)}
-    in_dims = tuple(
-        batch_dim
-        if isinstance(x, Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == n
-        else None
-        for x in call.inputs
-    )
-    grads = tuple(
-        g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-        for g, (shape, dtype, device) in zip(call.grads, call.out_meta, strict=True)
-    )
+    """Each example's gradient of the layer's own trainable parameters, (B, *shape) by name.
 
-    def one_example(p: dict[str, Tensor], xs: tuple[Any, ...], gs: tuple[Tensor, ...]) -> Any:
-        batched = tuple(
-            x.unsqueeze(batch_dim) if d is not None else x for x, d in zip(xs, in_dims, strict=True)
-        )
+    The call is replayed piece by piece (:func:`dpfy.train.grads.replay.replay_plan`): one
+    ``vmap`` of a single-example ``vjp`` per piece, its rows written where its examples sit.
+    """
+    plan = _detached(replay_plan(tap, call, batch_dim))
+    params = {name: getattr(tap.module, name).detach() for name in sorted(tap.trainable)}
+    with _replay(call), _randomness_named(tap), torch.enable_grad():
+        if len(plan.pieces) == 1 and plan.pieces[0].rows is None:
+            return _piece_grads(tap.module, params, plan.pieces[0])
+        out: dict[str, Tensor] = {}
+        for piece in plan.pieces:
+            grads = _piece_grads(tap.module, params, piece)
+            for name, grad in grads.items():
+                if name not in out:
+                    out[name] = grad.new_zeros((plan.size, *grad.shape[1:]))
+                out[name][piece.rows.to(grad.device)] = grad
+        return out
+
+
+def _piece_grads(module: nn.Module, params: dict[str, Tensor], piece: Piece) -> dict[str, Tensor]:
+    """Per-example gradients of one piece: vmap over its examples of a one-example vjp."""
+
+    def unsqueeze(x: Any, d: int | None) -> Any:
+        return x.unsqueeze(d) if d is not None else x
+
+    def one_example(
+        p: dict[str, Tensor],
+        xs: tuple[Any, ...],
+        kw: dict[str, Any],
+        gs: tuple[Tensor, ...],
+        ms: tuple[Tensor, ...],
+    ) -> Any:
+        args = pytree.tree_map(unsqueeze, xs, piece.arg_dims)
+        kwargs = pytree.tree_map(unsqueeze, kw, piece.kwarg_dims)
+        masks = tuple(m.unsqueeze(d) for m, d in zip(ms, piece.mask_dims, strict=True))
 
         def outputs(q: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            every = list(output_tensors(functional_call(module, q, batched)))
-            return tuple(every[j] for j in call.out_index)
+            with replaying(masks):
+                return piece.pick(bare_call(module, q, args, kwargs))
 
         outs, pullback = vjp(outputs, p)
-        return pullback(_cotangents(tuple(g.unsqueeze(batch_dim) for g in gs), outs))[0]
+        cotangents = tuple(g.unsqueeze(d) for g, d in zip(gs, piece.grad_dims, strict=True))
+        return pullback(_cotangents(cotangents, outs))[0]
 
-    with _replay(call):
-        return vmap(one_example, in_dims=(None, in_dims, (batch_dim,) * len(grads)))(
-            params, call.inputs, grads
-        )
+    in_dims = (None, piece.arg_dims, piece.kwarg_dims, piece.grad_dims, piece.mask_dims)
+    return vmap(one_example, in_dims=in_dims)(
+        params, piece.args, piece.kwargs, piece.grads, piece.masks
+    )
 
 
 def weighted_grads(tap: Tap, call: Call, batch_dim: int, weights: Tensor) -> dict[str, Tensor]:
@@ -94,23 +118,71 @@ def weighted_grads(tap: Tap, call: Call, batch_dim: int, weights: Tensor) -> dic
     The layer acts on each example separately, so the gradient of Σ_i ⟨f(x_i), w_i g_i⟩ is the
     weighted sum of per-example gradients (book-keeping, Bu et al. 2023) — none is formed.
     """
-    module = tap.module
-    params = {name: getattr(module, name).detach() for name in sorted(tap.trainable)}
+    plan = _detached(replay_plan(tap, call, batch_dim))
+    params = {name: getattr(tap.module, name).detach() for name in sorted(tap.trainable)}
+    total: dict[str, Tensor] = {}
+    with _replay(call), _randomness_named(tap), torch.enable_grad():
+        for piece in plan.pieces:
+            w = weights if piece.rows is None else weights[piece.rows.to(weights.device)]
 
-    def scaled(g: Tensor | None, meta: tuple) -> Tensor:
-        g = g if g is not None else torch.zeros(meta[0], dtype=meta[1], device=meta[2])
-        view = [1] * g.dim()
-        view[batch_dim] = -1
-        return g * weights.to(g.dtype).view(view)
+            def outputs(q: dict[str, Tensor], piece: Piece = piece) -> tuple[Tensor, ...]:
+                with replaying(piece.masks):
+                    return piece.pick(bare_call(tap.module, q, piece.args, piece.kwargs))
 
-    def outputs(q: dict[str, Tensor]) -> tuple[Tensor, ...]:
-        every = list(output_tensors(functional_call(module, q, call.inputs)))
-        return tuple(every[j] for j in call.out_index)
+            outs, pullback = vjp(outputs, params)
+            cotangents = tuple(
+                _scaled(g, d, w) for g, d in zip(piece.grads, piece.grad_dims, strict=True)
+            )
+            for name, value in pullback(_cotangents(cotangents, outs))[0].items():
+                total[name] = total[name] + value if name in total else value
+    return total
 
-    with _replay(call):
-        outs, pullback = vjp(outputs, params)
-        cotangents = tuple(scaled(g, m) for g, m in zip(call.grads, call.out_meta, strict=True))
-        return pullback(_cotangents(cotangents, outs))[0]
+
+def _detached(plan: ReplayPlan) -> ReplayPlan:
+    """The plan with every tensor detached from the step's graph.
+
+    The replay runs with gradients enabled (some kernels, such as the CPU LSTM, keep what their
+    backward needs only then); detached inputs keep it from extending the step's graph.
+    """
+
+    def detach(x: Any) -> Any:
+        return x.detach() if isinstance(x, Tensor) else x
+
+    pieces = [
+        dataclasses.replace(
+            piece,
+            args=pytree.tree_map(detach, piece.args),
+            kwargs=pytree.tree_map(detach, piece.kwargs),
+            grads=tuple(g.detach() for g in piece.grads),
+            masks=tuple(m.detach() for m in piece.masks),
+        )
+        for piece in plan.pieces
+    ]
+    return ReplayPlan(plan.size, pieces)
+
+
+def _scaled(g: Tensor, dim: int, weights: Tensor) -> Tensor:
+    """``g`` with each example's slice (along ``dim``) multiplied by its weight."""
+    view = [1] * g.dim()
+    view[dim] = -1
+    return g * weights.to(g.dtype).view(view)
+
+
+@contextlib.contextmanager
+def _randomness_named(tap: Tap) -> Iterator[None]:
+    """Name the layer when its replay draws random numbers that cannot be replayed."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "randomness" not in str(error):
+            raise
+        raise RuntimeError(
+            f"layer '{tap.name}' ({type(tap.module).__name__}) draws random numbers in its own "
+            "forward (a functional dropout, drop path, noise): its per-example gradients need "
+            "that forward run again with the same draws, which only nn.Dropout modules inside "
+            "it provide. Use nn.Dropout modules there, or move its parameters into a child "
+            "layer of their own"
+        ) from None
 
 
 class VmapEngine(GradEngine):
@@ -129,6 +201,7 @@ class VmapEngine(GradEngine):
         super().__init__(*args, **kwargs)
         self._calls: list[tuple[Tap, Call]] = []
         self._units: Units | None = None
+        self._sizes: dict[int, int] = {}  # id(call) → its number of examples
 
     def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], units: Units) -> Tensor:
         """Per-unit squared norms, layer by layer; shared parameters summed before squaring."""
@@ -145,8 +218,11 @@ class VmapEngine(GradEngine):
             nonlocal total
             total = sq if total is None else total + sq
 
+        self._sizes = {}
         for tap, call in calls:
-            for local, grad in per_example_grads(tap, call, self.batch_dim(tap, call)).items():
+            per_example = per_example_grads(tap, call, self.batch_dim(tap, call))
+            self._sizes[id(call)] = next(iter(per_example.values())).shape[0]
+            for local, grad in per_example.items():
                 name = self._names[id(getattr(tap.module, local))]
                 grad = grad.to(compute_dtype(grad.dtype))  # norms and sums in float32 at least
                 summed = grad.sum(0)
@@ -154,9 +230,9 @@ class VmapEngine(GradEngine):
                 if uses[name] > 1:
                     shared[name] = shared[name] + grad if name in shared else grad
                 else:
-                    add(sq_norm(units.sum_rows(grad).flatten(1), 1))
+                    add(sq_norm(_flat_rows(units.sum_rows(grad)), 1))
         for grad in shared.values():
-            add(sq_norm(units.sum_rows(grad).flatten(1), 1))
+            add(sq_norm(_flat_rows(units.sum_rows(grad)), 1))
         self._calls, self._units = list(calls), units
         self._check_complete(batch_sums)
         assert total is not None
@@ -205,7 +281,7 @@ class VmapEngine(GradEngine):
         try:
             for tap, call in self._calls:
                 bd = self.batch_dim(tap, call)
-                n = call.inputs[0].shape[bd]
+                n = self._sizes[id(call)]
                 if _in_half_precision(tap, call):
                     sums = {
                         local: torch.tensordot(
@@ -221,8 +297,13 @@ class VmapEngine(GradEngine):
                     name = self._names[id(getattr(tap.module, local))]
                     out[name] = out[name] + value if name in out else value
         finally:
-            self._calls, self._units = [], None
+            self._calls, self._units, self._sizes = [], None, {}
         return out
+
+
+def _flat_rows(grad: Tensor) -> Tensor:
+    """(U, *shape) per-unit gradients as (U, F) rows (a 0-d parameter's are (U,): F = 1)."""
+    return grad.reshape(grad.shape[0], -1)
 
 
 def _in_half_precision(tap: Tap, call: Call) -> bool:
