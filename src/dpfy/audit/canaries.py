@@ -52,6 +52,32 @@ class CanaryModel(nn.Module):
         return self.layer.weight.detach()[0]
 
 
+class IndexedCanaryModel(nn.Module):
+    """The same Dirac canaries stored as indices: record i is canary ``i`` (−1: a blank).
+
+    One weight per coordinate (an ``nn.Embedding`` of width 1, zero-initialised); a record's
+    output is ``scale · w[i]`` (0 for a blank), so its gradient is ``scale · e_i`` as in
+    :class:`CanaryModel`, without a dense row per record: an audit can then hold 10⁴ canaries
+    and 10⁴ noise-only coordinates in every step, each a trial of its own.
+    """
+
+    def __init__(self, coordinates: int, scale: float) -> None:
+        super().__init__()
+        self.table = nn.Embedding(coordinates, 1)
+        nn.init.zeros_(self.table.weight)
+        self.scale = float(scale)
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        """Each record's output: ``scale · w[i]``, or 0 (no gradient) for a blank."""
+        present = (indices >= 0).to(self.table.weight.dtype)
+        return self.table(indices.clamp(min=0)).squeeze(-1) * (self.scale * present)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The flat weight vector the auditor watches (a view of the parameter)."""
+        return self.table.weight.detach()[:, 0]
+
+
 @dataclass(frozen=True)
 class CanaryDesign:
     """The audit's records: ``canaries`` Dirac canaries, ``probes`` noise-only coordinates.
@@ -140,6 +166,7 @@ __all__ = [
     "OUT_SIDES",
     "CanaryDesign",
     "CanaryModel",
+    "IndexedCanaryModel",
     "audit_rows",
     "canary_rows",
     "coin_generator",

@@ -27,6 +27,11 @@ METHODS = {
         "one training run; each canary included independently with probability ½, the "
         "auditor's guesses scored by the one-run theorem (Steinke, Nasr & Jagielski 2023)"
     ),
+    "f-dp": (
+        "Dirac canaries in and out of every step, each coordinate of each step a trial; the "
+        "tradeoff curve of the claimed (subsampled) Gaussian fitted to Clopper–Pearson bounds "
+        "on the test's rates (Nasr et al. 2023; Dong, Roth & Su 2022)"
+    ),
     "classical": (
         "repeated runs with and without the canary; Clopper–Pearson bounds on the attack's "
         "false-positive and false-negative rates"
