@@ -82,19 +82,31 @@ def test_quiet_and_json_together_are_refused():
 
 @pytest.mark.parametrize(
     ("args", "code_shown"),
-    [(["--delta", "0.01"], "delta-too-large"), (["--seed", "1"], "seeded-randomness")],
-    ids=["delta", "seed"],
+    [(["--delta", "0.01"], "delta-too-large"), (["--seed", "1", "--strict"], "seeded-randomness")],
+    ids=["delta", "seed-strict"],
 )
 def test_an_error_pitfall_exits_3_after_everything_is_written(tmp_path, args, code_shown):
     out = tmp_path / "run"
     code, stdout, stderr = dpfy(*QUICK, *args, "--out", str(out))
     assert code == 3
-    assert f"ERROR {code_shown}: " in stdout
-    assert "ERROR pitfall" in stderr and "exit code 3" in stderr
+    assert f" {code_shown}: " in stdout
+    assert ("ERROR pitfall" in stderr or "--strict was given" in stderr) and "exit code 3" in stderr
     for name in ("report.md", "report.json", "facts.json", "model.pt", "config.json"):
         assert (out / name).is_file(), name
     flagged = [p["code"] for p in json.loads((out / "report.json").read_text())["pitfalls"]]
     assert code_shown in flagged
+
+
+def test_a_seeded_run_is_a_warning_that_exits_0_unless_strict(tmp_path):
+    code, stdout, stderr = dpfy(*QUICK, "--seed", "1", "--out", str(tmp_path / "run"))
+    assert code == 0, stderr
+    assert "WARN seeded-randomness: " in stdout and "ERROR" not in stdout
+    code, stdout, _ = dpfy(*QUICK, "--seed", "1", "--json", "--out", str(tmp_path / "again"))
+    document = json.loads(stdout)
+    assert code == 0 and document["exit_code"] == 0
+    assert {"severity": "warning", "code": "seeded-randomness"}.items() <= next(
+        p for p in document["pitfalls"] if p["code"] == "seeded-randomness"
+    ).items()
 
 
 def test_help_documents_the_exit_codes():
@@ -196,10 +208,10 @@ def test_config_replay_reproduces_the_settings_and_with_a_seed_the_accuracy(tmp_
     first, second = tmp_path / "first", tmp_path / "second"
     args = [*QUICK, "--lr", "0.05", "--batch-size", "64", "--seed", "4", "--json"]
     code, stdout, _ = dpfy(*args, "--out", str(first))
-    assert code == 3  # seeded
+    assert code == 0  # seeded: a WARN, an experiment
     code, replayed, _ = dpfy("train", "--config", str(first / "config.json"), "--json",
                              "--out", str(second))  # fmt: skip
-    assert code == 3
+    assert code == 0
     one, two = read_config(first / "config.json"), read_config(second / "config.json")
     assert one == TrainConfig(model="logreg", epochs=0.3, lr=0.05, batch_size=64, seed=4,
                               out=first)  # fmt: skip

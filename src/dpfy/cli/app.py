@@ -44,6 +44,7 @@ from dpfy.jobs.config import (
     SAMPLER_NAMES,
     UNIT_NAMES,
     TrainConfig,
+    check_config,
     default_user_batch,
     read_config,
 )
@@ -135,6 +136,16 @@ AccountantOption = Annotated[
     typer.Option(help="pld (tight, default) or rdp (Rényi DP, looser but classic)."),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")]
+QuietOption = Annotated[
+    bool, typer.Option("--quiet", help="Print only the run directory (or the result's path).")
+]
+StrictOption = Annotated[
+    bool,
+    typer.Option(
+        "--strict",
+        help="Exit 3 on a WARN pitfall about the guarantee too (a seeded run), not only on ERROR.",
+    ),
+]
 DeltaOption = Annotated[float, typer.Option(help="δ of the (ε, δ) guarantee, in (0, 1).")]
 
 
@@ -309,15 +320,23 @@ class ReportFormat(str, Enum):
 
 
 _SEED_HELP = (
-    "Seed sampling and noise too, for reproducible experiments (the report then flags the run: "
-    "whoever knows the seed can replay the noise); 0 to 2**63 - 1. Default: OS entropy; init "
-    "and splits use 0."
+    "Seed sampling and noise too, for reproducible experiments (the report then flags the run "
+    "with a WARN: whoever knows the seed can replay the noise); 0 to 2**63 - 1. The only way to "
+    "reproduce a run: torch.manual_seed does not reach sampling and noise. Default: OS "
+    "entropy; init and splits use 0."
+)
+_BOUNDS = (
+    "LOW:HIGH (one public range for every feature, e.g. 0:255), FILE.json ({column: [low, "
+    "high]}), as-is (already on a public scale), or fit (standardise on the training rows: "
+    "flagged as fitted on the private data)"
 )
 _EPOCHS_BOUND = f"at most {MAX_EPOCHS}"
 _OUT_HELP = "Run directory: new or empty, never shared (default: a fresh runs/…)."
 _TRAIN_HELP = "\n\n".join(
     (
-        "Train on a bundled dataset (DP-SGD or DP-FTRL) and write the privacy report card.",
+        "Train on a bundled dataset, or your own file (--data FILE --label COLUMN "
+        "--feature-bounds SPEC), with DP-SGD, DP-FTRL, BandMF or BLT, and write the privacy "
+        "report card.",
         "Prints a short summary (run directory, report path, accuracy, ε and δ, one line per "
         "WARN or ERROR pitfall); --quiet prints only the run directory, --json one JSON object. "
         "The whole report card, to publish, is in RUN_DIR/report.md; un-noised diagnostics of "
@@ -329,13 +348,14 @@ _TRAIN_HELP = "\n\n".join(
         "must match the saved ones).",
         f"Exit codes: 0 done; 2 bad input; {PITFALL_EXIT} the run finished and wrote everything, "
         "but its report flags an ERROR pitfall (the stated guarantee is not established as "
-        f"reported, e.g. δ ≥ 1/N, or a seed chose the noise); {INTERRUPTED_EXIT} interrupted "
+        "reported, e.g. δ ≥ 1/N), or with --strict a WARN about the guarantee (a seed chose "
+        f"the noise: an experiment, exit 0 without --strict); {INTERRUPTED_EXIT} interrupted "
         "(resumable).",
     )
 )
 #: train's parameters that are not settings of the run (and so never clash with a saved one).
-_NOT_SETTINGS = ("resume", "config_file", "quiet", "as_json")
-#: CLI parameter names that differ from their TrainConfig field.
+_NOT_SETTINGS = ("resume", "force", "config_file", "quiet", "as_json", "strict")
+#: Old option spellings kept working (hidden from --help): CLI parameter → the TrainConfig field.
 _FIELD_OF = {"max_user_examples": "max_examples_per_user"}
 
 
@@ -350,6 +370,39 @@ def _given(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
     if "out" in given:
         given["out"] = _out_dir(given["out"])
     return given
+
+
+def _own_data(config: TrainConfig, given: dict[str, Any]) -> TrainConfig:
+    """A new run on ``--data FILE``: named after the file, its model chosen from the data's shape.
+
+    The features' declared scale is read here, so a missing or malformed --feature-bounds is
+    refused before any run directory exists.
+    """
+    from dpfy.data.user_file import model_for_shape, parse_feature_bounds, peek_input_shape
+
+    if config.data is None:
+        return config
+    if "dataset" in given:
+        raise ValueError("pass --dataset NAME (a bundled dataset) or --data FILE, not both")
+    if not config.label:
+        raise ValueError("--data needs --label COLUMN: the column (or NPZ array) of the labels")
+    parse_feature_bounds(config.feature_bounds)
+    model = given.get("model") or model_for_shape(peek_input_shape(config.data, config.label))
+    return replace(config, dataset=config.data.name, model=model)
+
+
+def _merge_alias(ctx: click.Context, values: dict[str, Any], alias: str, name: str) -> None:
+    """An old spelling (hidden option ``alias``) stands for ``name``; both given is refused."""
+    if ctx.get_parameter_source(alias) is not click.core.ParameterSource.COMMANDLINE:
+        values.pop(alias, None)
+        return
+    if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+        raise ValueError(
+            f"--{alias.replace('_', '-')} is the old spelling of --{name.replace('_', '-')}; "
+            "pass one of them"
+        )
+    values[name] = values.pop(alias)
+    ctx.set_parameter_source(name, click.core.ParameterSource.COMMANDLINE)
 
 
 def _resumed_config(run_dir: Path, given: dict[str, Any]) -> TrainConfig:
@@ -390,11 +443,12 @@ def _train_config(
     elif config_file is not None:
         config = replace(read_config(config_file), **{"out": None, **given})
     else:
-        config = replace(_TRAIN, **given)
+        config = _own_data(replace(_TRAIN, **given), given)
         if config.unit == "user" and "batch_size" not in given:
             config = replace(config, batch_size=default_user_batch(config.users))
     if config.delta is not None and not (0 < config.delta < 1):
         raise ValueError(f"delta must lie in (0, 1), got {config.delta!r}")
+    check_config(config)  # refused before any directory is made
     return config
 
 
@@ -434,9 +488,12 @@ def train(
         ),
     ] = _UNIT,
     users: Annotated[int, typer.Option(help="Simulated users (with --unit user).")] = _TRAIN.users,
-    max_user_examples: Annotated[
+    max_examples_per_user: Annotated[
         int | None, typer.Option(help="Cap on a sampled user's examples per step (--unit user).")
     ] = _TRAIN.max_examples_per_user,
+    max_user_examples: Annotated[
+        int | None, typer.Option(hidden=True, help="Old spelling of --max-examples-per-user.")
+    ] = None,
     algorithm: Annotated[
         AlgorithmChoice,
         typer.Option(
@@ -472,18 +529,49 @@ def train(
     features_public: Annotated[
         bool, typer.Option("--features-public", help="Declare the features public (label DP).")
     ] = False,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="Train on your own data instead of a bundled dataset: a .csv (header row, "
+            "numeric features), .npz (a feature array and a label array) or .parquet file; "
+            "needs --label and --feature-bounds. The model (unless --model) follows the "
+            "data's shape: images a CNN, rows an MLP.",
+        ),
+    ] = None,
+    label: Annotated[
+        str | None, typer.Option(metavar="COLUMN", help="--data: the label column (NPZ: array).")
+    ] = None,
+    feature_bounds: Annotated[
+        str | None, typer.Option(metavar="SPEC", help=f"--data: the features' scale: {_BOUNDS}.")
+    ] = None,
+    test_data: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE", help="--data: test rows in a second file (default: 80/20 split)."
+        ),
+    ] = None,
     resume: Annotated[
         Path | None,
         typer.Option(metavar="RUN_DIR", help="Continue this interrupted run from its checkpoint."),
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="With --resume: take over a run whose status still names a process that is "
+            "gone (killed on another host, or its PID reused).",
+        ),
+    ] = False,
     config_file: Annotated[
         Path | None,
         typer.Option("--config", metavar="FILE", help="Replay a run's config.json."),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="Print only the run directory.")] = False,
+    strict: StrictOption = False,
+    quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    from dpfy.cli.train_output import Output, print_interrupted, print_result
+    from dpfy.cli.train_output import Output, epsilon_covers, print_interrupted, print_result
     from dpfy.jobs.access import access_job
     from dpfy.jobs.outcome import Interrupted
 
@@ -492,8 +580,13 @@ def train(
     with _user_errors():
         if quiet and as_json:
             raise ValueError("pass --quiet or --json, not both")
+        _merge_alias(ctx, values, "max_user_examples", "max_examples_per_user")
         config = _train_config(ctx, values, resume, config_file)
         console = Console(soft_wrap=True, quiet=output is not Output.summary)
+        if force:
+            from dpfy.jobs.checkpoint import force_takeover
+
+            force_takeover(resume)
         try:
             result = access_job(config.access)(config, console, resume=resume)
         except Interrupted as stop:
@@ -501,13 +594,21 @@ def train(
             raise typer.Exit(INTERRUPTED_EXIT) from None
     if result.rank != 0:  # under torchrun, rank 0 prints the run
         return
-    code = print_result(result, config.unit, output)
+    covers = epsilon_covers(config.access, config.features_public)
+    code = print_result(result, config.unit, output, strict=strict, covers=covers)
     if code:
         raise typer.Exit(code)
 
 
 def _no_facts(run_dir: Path) -> str:
-    """Why ``run_dir`` cannot be re-rendered: not a run, or a run of another access model."""
+    """Why ``run_dir`` cannot be re-rendered: a tuning directory (its run is in final/), not a
+    run, or a run of another access model."""
+    final = run_dir / "final"
+    if (final / "facts.json").is_file():
+        return (
+            f"{run_dir} is a `dpfy tune` directory: its trained model's run is {final}; run "
+            f"`dpfy report {final}` (the tuning's own summary is in {run_dir})"
+        )
     try:
         access = json.loads((run_dir / CONFIG_FILE).read_text()).get("access", "full")
     except (OSError, ValueError, AttributeError):
@@ -524,6 +625,7 @@ def _no_facts(run_dir: Path) -> str:
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `dpfy train`.")],
     format: Annotated[ReportFormat, typer.Option(help="md or json.")] = ReportFormat.md,
+    as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
     diagnostics: Annotated[
         bool,
         typer.Option(
@@ -539,7 +641,8 @@ def report(
     with _user_errors():
         if not (run_dir / "facts.json").exists():
             raise ValueError(_no_facts(run_dir))
-        typer.echo(render_run(run_dir, format.value, diagnostics=diagnostics))
+        shown = ReportFormat.json if as_json else format
+        typer.echo(render_run(run_dir, shown.value, diagnostics=diagnostics))
 
 
 @app.command()
@@ -609,11 +712,15 @@ def tune(
             "total and the report.",
         ),
     ] = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Tune hyperparameters under privacy (guide §5.4), train the choice, report both costs."""
     from dpfy.tune.command import tune_command
 
     with _user_errors():
+        if quiet and as_json:
+            raise ValueError("pass --quiet or --json, not both")
         tune_command(
             dataset=dataset.value, search=search.value, trials=trials,
             accounting=None if tuning_accounting is None else tuning_accounting.value,
@@ -622,7 +729,7 @@ def tune(
             tuning_share=tuning_share, delta=delta, model=model.value, batch_size=batch_size,
             max_grad_norm=max_grad_norm, epochs=epochs, trial_epochs=trial_epochs,
             optimizer=optimizer.value, lr=lr, out=_out_dir(out), seed=seed, data_dir=data_dir,
-            compare_default=compare_default,
+            compare_default=compare_default, quiet=quiet, as_json=as_json,
         )  # fmt: skip
 
 
@@ -657,9 +764,12 @@ def federated(
     server_optimizer: Annotated[
         ServerOptimizerChoice, typer.Option(help="Server optimizer on the noised mean change.")
     ] = _FED_SERVER,
-    clip_norm: Annotated[
-        float, typer.Option(help="Clip norm C of each user's change.")
+    max_grad_norm: Annotated[
+        float, typer.Option(help="Clip norm C of each user's model change.")
     ] = _FED.clip_norm,
+    clip_norm: Annotated[
+        float | None, typer.Option(hidden=True, help="Old spelling of --max-grad-norm.")
+    ] = None,
     target_epsilon: Annotated[
         float, typer.Option(help="User-level ε to spend.")
     ] = _FED.target_epsilon,
@@ -669,24 +779,57 @@ def federated(
     seed: Annotated[int | None, typer.Option(help=_SEED_HELP)] = _FED.seed,
     out: Annotated[str | None, typer.Option(help=_OUT_HELP)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where file datasets live.")] = None,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Train with DP-FedAvg over simulated users (user-level DP) and write the report card."""
     from dpfy.federated.experiment import federated_command
 
     with _user_errors():
+        if quiet and as_json:
+            raise ValueError("pass --quiet or --json, not both")
+        if clip_norm is not None:
+            if max_grad_norm != _FED.clip_norm:
+                raise ValueError(
+                    "--clip-norm is the old spelling of --max-grad-norm; pass one of them"
+                )
+            max_grad_norm = clip_norm
         if local_batch_size < 0:
             raise ValueError(
                 f"local_batch_size must be >= 1, or 0 for all of a user's data; got "
                 f"{local_batch_size}"
             )
-        federated_command(
-            dataset=dataset.value, model=model.value, users=users, alpha=alpha,
+        console = Console(soft_wrap=True, quiet=quiet or as_json)
+        result = federated_command(
+            console, dataset=dataset.value, model=model.value, users=users, alpha=alpha,
             clients_per_round=clients_per_round, rounds=rounds, local_steps=local_steps,
             local_batch_size=local_batch_size or None, client_lr=client_lr, server_lr=server_lr,
-            server_optimizer=server_optimizer.value, clip_norm=clip_norm,
+            server_optimizer=server_optimizer.value, clip_norm=max_grad_norm,
             target_epsilon=target_epsilon, delta=delta, seed=seed, out=_out_dir(out),
             data_dir=data_dir,
         )  # fmt: skip
+    if quiet:
+        typer.echo(str(result.run_dir))
+    elif as_json:
+        typer.echo(json.dumps(_run_document(result, seeded=seed is not None)))
+
+
+def _run_document(result: Any, **extra: object) -> dict[str, object]:
+    """A finished run as one JSON object: its figures and the paths of the files it wrote."""
+    run_dir = Path(result.run_dir)
+    figures = {
+        key: _finite(value) if isinstance(value, float) else value
+        for key, value in vars(result).items()
+        if isinstance(value, (int, float, str, type(None))) and not isinstance(value, bool)
+    }
+    written = sorted(p for p in run_dir.iterdir() if p.is_file())
+    return {
+        "status": "finished",
+        "run_dir": str(run_dir),
+        **figures,
+        **extra,
+        "paths": {path.name: str(path) for path in written},
+    }
 
 
 app.command(name="finetune")(finetune)

@@ -10,9 +10,12 @@ Bad input is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import click
 import typer
 
 __all__ = ["audit"]
@@ -26,9 +29,63 @@ _METHOD_HELP = (
 )
 
 
+def _checked_method(value: str) -> str:
+    """``--method`` is one of the audits the job offers, refused by name before anything runs."""
+    from dpfy.jobs.audit import AUDIT_METHODS
+
+    if value not in AUDIT_METHODS:
+        raise click.BadParameter(
+            f"{value!r} is not one of {', '.join(AUDIT_METHODS)}", param_hint="'--method'"
+        )
+    return value
+
+
+def _claim(result: Any, run_epsilon: float | None) -> str:
+    """The claim ε̂ is held against: the ε of what the audit itself ran, not the run's whole ε."""
+    if result.claimed_epsilon is None:
+        return "claimed ε unknown"
+    whole = "" if run_epsilon is None else f"; the run itself claims ε = {run_epsilon:.3g}"
+    return (
+        f"claimed ε = {result.claimed_epsilon:.3g} for what this audit ran ({result.runs} "
+        f"run(s) of the run's plan{whole})"
+    )
+
+
+def _document(outcomes: Any, written: Path, run_dir: Path, run_epsilon: float | None) -> str:
+    """``--json``: every audit's figures, the run's own ε, and where the audit is written."""
+    audits = [
+        {
+            "method": r.method,
+            "epsilon_lower_bound": r.epsilon_lower_bound,
+            "confidence": r.confidence,
+            "audit_claimed_epsilon": r.claimed_epsilon,
+            "exceeds_claim": r.exceeds_claim,
+            "canaries": r.canaries,
+            "runs": r.runs,
+            "seconds": r.seconds,
+            "scope": r.audited_scope,
+        }
+        for r in (outcome.result for outcome in outcomes)
+    ]
+    finite = run_epsilon if run_epsilon is None or math.isfinite(run_epsilon) else None
+    return json.dumps(
+        {
+            "status": "finished",
+            "run_dir": str(run_dir),
+            "run_epsilon": finite,
+            "audits": audits,
+            "paths": {
+                "audit": str(written),
+                "plots": str(run_dir / "audit"),
+                "report": str(run_dir / "report.md"),
+            },
+        }
+    )
+
+
 def audit(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `dpfy train`.")],
-    method: Annotated[str, typer.Option(help=_METHOD_HELP)] = "classical",
+    method: Annotated[str, typer.Option(help=_METHOD_HELP, callback=_checked_method)] = "classical",
     canaries: Annotated[
         int, typer.Option(help="Canaries: Dirac gradients per session, or black-box records.")
     ] = 100,
@@ -41,10 +98,21 @@ def audit(
     ] = None,
     confidence: Annotated[float, typer.Option(help="Confidence of the lower bound ε̂.")] = 0.95,
     seed: Annotated[int | None, typer.Option(help="Seed the audit (reproducible).")] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", help="Print only the path of the audit's audit.json.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
 ) -> None:
     """Audit a run (its private step, or a re-run's final model): ε̂ beside the claimed ε."""
     from rich.console import Console
-    from rich.progress import Progress
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from dpfy.audit.scope import behaviour_lines, scope_of
     from dpfy.jobs.audit import (
@@ -52,15 +120,21 @@ def audit(
         AuditConfig,
         default_blocks,
         load_run,
+        lock_for_audit,
         plan_cost,
         record_audits,
         run_audit,
     )
 
-    console = Console()
+    console = Console(soft_wrap=True, quiet=quiet or as_json)
+    if quiet and as_json:
+        typer.echo("error: pass --quiet or --json, not both", err=True)
+        raise typer.Exit(_USAGE_ERROR)
     try:
         given = DEFAULT_BLOCKS if blocks is None else blocks
         config = AuditConfig(method, canaries, given, confidence=confidence, seed=seed)
+        lock = lock_for_audit(run_dir, on_wait=console.print)  # audits of one run take turns
+        click.get_current_context().call_on_close(lock.release)
         facts = load_run(run_dir)
         if blocks is None:
             config = dataclasses.replace(config, blocks=default_blocks(facts))
@@ -71,15 +145,25 @@ def audit(
     for line in cost.lines():
         console.print(line)
     try:
-        with Progress(console=console, transient=True) as progress:
+        columns = (
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        )  # fmt: skip
+        with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("auditing", total=cost.steps)
             outcomes = run_audit(cost, config, lambda: progress.advance(task))
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(_USAGE_ERROR) from None
     written = record_audits(run_dir, facts, outcomes)
+    run_epsilon = facts.accounting.summary.epsilon.get("total")
+    if as_json:
+        typer.echo(_document(outcomes, written, run_dir, run_epsilon))
+        return
+    if quiet:
+        typer.echo(str(written))
+        return
     for result in (outcome.result for outcome in outcomes):
-        claim = "unknown" if result.claimed_epsilon is None else f"{result.claimed_epsilon:.3g}"
         verdict = (
             "ABOVE the claim: a privacy bug"
             if result.exceeds_claim
@@ -88,8 +172,9 @@ def audit(
         scope = scope_of(result.audited_scope)
         console.print(
             f"{result.method}: ε̂ = {result.epsilon_lower_bound:.3g} at {result.confidence:g} "
-            f"confidence, claimed ε = {claim} ({verdict}); {result.canaries} canaries, "
-            f"{result.runs} run(s), {result.seconds:.1f} s"
+            f"confidence, {_claim(result, run_epsilon)} ({verdict}); {result.canaries} "
+            f"canaries, {result.seconds:.1f} s",
+            highlight=False,
         )
         console.print(f"  audited: {scope.audited}", highlight=False)
         console.print(f"  not audited: {scope.not_audited}", highlight=False)

@@ -7,14 +7,17 @@ and never imports transformers) does the rest. Bad input is one line on stderr a
 
 from __future__ import annotations
 
+import json
+import math
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
+import click
 import typer
 
 from dpfy.cli.choices import choices
-from dpfy.jobs.finetune_config import FINETUNE_OPTIMIZERS, FinetuneConfig
+from dpfy.jobs.finetune_config import FINETUNE_OPTIMIZERS, FinetuneConfig, check_finetune_config
 
 if TYPE_CHECKING:
     from dpfy.jobs.finetune import FinetuneResult
@@ -51,8 +54,39 @@ def _summary(result: FinetuneResult) -> str:
     )
 
 
+def _checked_mode(value: str) -> str:
+    """``--mode`` is head, full, lora or last-N, refused by name while the options are parsed."""
+    try:
+        check_finetune_config(FinetuneConfig(mode=value))
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="'--mode'") from None
+    return value
+
+
+def _document(result: FinetuneResult) -> str:
+    """``--json``: the run's figures and where its files are."""
+
+    def finite(value: float | None) -> float | None:
+        return value if value is None or math.isfinite(value) else None
+
+    run_dir = result.run_dir
+    return json.dumps(
+        {
+            "status": "finished",
+            "run_dir": None if run_dir is None else str(run_dir),
+            "test_accuracy": result.test_accuracy,
+            "baseline_accuracy": result.baseline_accuracy,
+            "epsilon": finite(result.epsilon),
+            "delta": result.delta,
+            "seconds": result.seconds,
+            "report": None if run_dir is None else str(run_dir / "report.md"),
+            "diagnostics": None if run_dir is None else str(run_dir / "diagnostics.md"),
+        }
+    )
+
+
 def finetune(
-    mode: Annotated[str, typer.Option(help=_MODE_HELP)] = _DEFAULT.mode,
+    mode: Annotated[str, typer.Option(help=_MODE_HELP, callback=_checked_mode)] = _DEFAULT.mode,
     target_epsilon: Annotated[float, typer.Option(help="The ε to spend.")] = 8.0,
     delta: Annotated[
         float | None, typer.Option(help="δ; default: a power of ten at least 10× below 1/N.")
@@ -79,6 +113,8 @@ def finetune(
     limit: Annotated[
         int | None, typer.Option(help="Keep the first N examples of each split (quick checks).")
     ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="Print only the run directory.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
 ) -> None:
     """DP fine-tuning of MiniLM on Rotten Tomatoes (or your encoder), with a report card."""
     from rich.console import Console
@@ -87,6 +123,9 @@ def finetune(
 
     if out is not None and not out.strip():
         typer.echo("error: --out is empty; pass a directory for the run, or omit --out", err=True)
+        raise typer.Exit(_USAGE_ERROR)
+    if quiet and as_json:
+        typer.echo("error: pass --quiet or --json, not both", err=True)
         raise typer.Exit(_USAGE_ERROR)
     config = FinetuneConfig(
         mode=mode, target_epsilon=target_epsilon, delta=delta, epochs=epochs,
@@ -97,7 +136,7 @@ def finetune(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            result = run_finetune(config, Console())
+            result = run_finetune(config, Console(soft_wrap=True, quiet=quiet or as_json))
         except ValueError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(_USAGE_ERROR) from None
@@ -105,4 +144,9 @@ def finetune(
             for warning in caught:
                 if issubclass(warning.category, UserWarning):
                     typer.echo(f"warning: {warning.message}", err=True)
-    typer.echo(_summary(result))
+    if as_json:
+        typer.echo(_document(result))
+    elif quiet:
+        typer.echo(str(result.run_dir))
+    else:
+        typer.echo(_summary(result))

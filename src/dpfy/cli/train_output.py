@@ -28,6 +28,10 @@ PITFALL_EXIT = 3
 
 _SHOWN = {"error": "ERROR", "warning": "WARN"}  # INFO findings stay in the report
 
+#: Findings that qualify the guarantee without breaking it: a seeded run is an experiment (its
+#: ε holds while the seed stays secret), so it is a WARN and exits 0 — unless ``--strict``.
+GUARANTEE_WARNINGS = frozenset({"seeded-randomness"})
+
 
 class Output(str, Enum):
     """How much ``dpfy train`` prints."""
@@ -42,14 +46,29 @@ def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
+def severity(finding: Finding) -> str:
+    """The finding's severity as the CLI reports it (a guarantee warning is a warning)."""
+    return "warning" if finding.code in GUARANTEE_WARNINGS else finding.severity.value
+
+
 def _flagged(pitfalls: tuple[Finding, ...]) -> list[Finding]:
     """The findings the summary lists: errors and warnings, errors first."""
-    return [p for p in pitfalls if p.severity.value in _SHOWN]
+    shown = [p for p in pitfalls if severity(p) in _SHOWN]
+    return sorted(shown, key=lambda p: severity(p) != "error")
 
 
-def exit_code(result: TrainResult) -> int:
-    """:data:`PITFALL_EXIT` if the report flags an ERROR pitfall, else 0."""
-    return PITFALL_EXIT if any(p.severity.value == "error" for p in result.pitfalls) else 0
+def _stopping(result: TrainResult, strict: bool) -> list[Finding]:
+    """The findings that set the exit code: errors; with ``strict``, guarantee warnings too."""
+    return [
+        p
+        for p in result.pitfalls
+        if severity(p) == "error" or (strict and p.code in GUARANTEE_WARNINGS)
+    ]
+
+
+def exit_code(result: TrainResult, strict: bool = False) -> int:
+    """:data:`PITFALL_EXIT` on an ERROR pitfall (or, ``strict``, a guarantee WARN), else 0."""
+    return PITFALL_EXIT if _stopping(result, strict) else 0
 
 
 def _diagnostics(result: TrainResult) -> str | None:
@@ -58,7 +77,19 @@ def _diagnostics(result: TrainResult) -> str | None:
     return str(path) if path.is_file() else None
 
 
-def _summary_lines(result: TrainResult, unit: str) -> list[str]:
+def epsilon_covers(access: str, features_public: bool) -> str | None:
+    """What ε protects when it is not the whole example (label-only DP), said beside ε."""
+    if access != "label":
+        return None
+    if features_public:
+        return "the labels only (the features were declared public: --features-public)"
+    return (
+        "the labels only: the features were NOT declared public and enter training without "
+        "noise, unprotected (pass --features-public only if they are public, else --access full)"
+    )
+
+
+def _summary_lines(result: TrainResult, unit: str, covers: str | None = None) -> list[str]:
     """The short human summary: where the run is, its accuracy, its (ε, δ), its pitfalls."""
     lines = [
         f"run directory: {result.run_dir}",
@@ -76,12 +107,16 @@ def _summary_lines(result: TrainResult, unit: str) -> list[str]:
         f"ε spent: {result.epsilon:.4f} at δ = {result.delta:g} ({unit}-level, "
         f"{result.algorithm}, {released}{resumed})"
     )
+    if covers is not None:
+        lines.append(f"ε covers: {covers}")
     lines.append(f"time: {result.seconds:.1f} s")
-    lines += [f"{_SHOWN[p.severity.value]} {p.code}: {p.title}" for p in _flagged(result.pitfalls)]
+    lines += [f"{_SHOWN[severity(p)]} {p.code}: {p.title}" for p in _flagged(result.pitfalls)]
     return lines
 
 
-def _document(result: TrainResult, unit: str) -> dict[str, Any]:
+def _document(
+    result: TrainResult, unit: str, strict: bool = False, covers: str | None = None
+) -> dict[str, Any]:
     """The ``--json`` object: the run's figures, its pitfalls and the paths of what it wrote."""
     written = sorted(p for p in result.run_dir.iterdir() if p.is_file())
     return {
@@ -92,6 +127,7 @@ def _document(result: TrainResult, unit: str) -> dict[str, Any]:
         "diagnostics": _diagnostics(result),
         "epsilon": _finite(result.epsilon),
         "delta": result.delta,
+        "epsilon_covers": covers or "the whole example (features and label)",
         "unit": unit,
         "algorithm": result.algorithm,
         "steps": result.steps,
@@ -100,29 +136,42 @@ def _document(result: TrainResult, unit: str) -> dict[str, Any]:
         "resumed_at": result.resumed_at,
         "seconds": result.seconds,
         "pitfalls": [
-            {"severity": p.severity.value, "code": p.code, "title": p.title}
-            for p in result.pitfalls
+            {"severity": severity(p), "code": p.code, "title": p.title} for p in result.pitfalls
         ],
         "paths": {path.name: str(path) for path in written},
-        "exit_code": exit_code(result),
+        "exit_code": exit_code(result, strict),
     }
 
 
-def print_result(result: TrainResult, unit: str, output: Output) -> int:
-    """Print the finished run as ``output`` asks; return the exit code (3 on an ERROR pitfall)."""
-    code = exit_code(result)
+def print_result(
+    result: TrainResult,
+    unit: str,
+    output: Output,
+    *,
+    strict: bool = False,
+    covers: str | None = None,
+) -> int:
+    """Print the finished run as ``output`` asks; return the exit code (3 on an ERROR pitfall,
+    or with ``strict`` on a guarantee WARN)."""
+    code = exit_code(result, strict)
     if output is Output.json:
-        typer.echo(json.dumps(_document(result, unit)))
+        typer.echo(json.dumps(_document(result, unit, strict, covers)))
     elif output is Output.quiet:
         typer.echo(str(result.run_dir))
     else:
-        for line in _summary_lines(result, unit):
+        for line in _summary_lines(result, unit, covers):
             typer.echo(line)
     if code:
-        errors = sum(p.severity.value == "error" for p in result.pitfalls)
+        stopping = _stopping(result, strict)
+        errors = sum(severity(p) == "error" for p in stopping)
+        what = (
+            f"{errors} ERROR pitfall(s): the stated guarantee is not established as reported"
+            if errors
+            else f"{', '.join(p.code for p in stopping)} (WARN, and --strict was given)"
+        )
         typer.echo(
-            f"error: the report flags {errors} ERROR pitfall(s): the stated guarantee is not "
-            f"established as reported (see {result.run_dir / 'report.md'}); exit code {code}",
+            f"error: the report flags {what} (see {result.run_dir / 'report.md'}); exit code "
+            f"{code}",
             err=True,
         )
     return code

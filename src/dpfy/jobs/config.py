@@ -106,6 +106,12 @@ class TrainConfig:
     stages: int = 1
     #: The user declares the features public (what label-only DP assumes; the report says so).
     features_public: bool = False
+    #: The user's own data (``--data FILE --label COLUMN``; dpfy.data.user_file): the file, its
+    #: label column, the features' declared scale, and an optional file of test rows.
+    data: Path | None = None
+    label: str | None = None
+    feature_bounds: str | None = None
+    test_data: Path | None = None
 
     def resolved_delta(self, dataset_size: int) -> float:
         """δ as given, or a power of ten at least 10× below 1/N (guide §2.1: δ ≪ 1/N)."""
@@ -152,6 +158,22 @@ def check_config(config: TrainConfig) -> None:
         if getattr(config, name) is not None:
             check_count(name, getattr(config, name), minimum=1)
     _check_access(config)
+    _check_own_data(config)
+
+
+def _check_own_data(config: TrainConfig) -> None:
+    """``--data`` needs ``--label`` and trains with full DP-SGD access only (for now)."""
+    if config.data is None:
+        if config.label is not None or config.feature_bounds is not None or config.test_data:
+            raise ValueError("--label, --feature-bounds and --test-data go with --data FILE")
+        return
+    if not config.label:
+        raise ValueError("--data needs --label COLUMN: the column (or NPZ array) of the labels")
+    if config.access != "full":
+        raise ValueError(
+            f"--data trains with --access full only; --access {config.access} uses the "
+            "bundled datasets (drop --access, or --data)"
+        )
 
 
 def _check_access(config: TrainConfig) -> None:
@@ -188,7 +210,7 @@ def public_seed(seed: int | None) -> int:
 #: The file a run directory keeps its settings in, and the key naming the command that wrote it.
 CONFIG_FILE = "config.json"
 _COMMAND_KEY = "command"
-_PATH_FIELDS = ("out", "data_dir")
+_PATH_FIELDS = ("out", "data_dir", "data", "test_data")
 
 
 def config_document(config: TrainConfig) -> dict[str, Any]:

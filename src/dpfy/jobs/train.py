@@ -150,6 +150,17 @@ def train_baseline(config: TrainConfig, data: LoadedDataset) -> float:
     return accuracy(model, data.test)
 
 
+def load_run_data(config: TrainConfig) -> LoadedDataset:
+    """The run's data: a bundled dataset, or the user's own file (``--data FILE --label COL``)."""
+    if config.data is None:
+        return load_dataset(config.dataset, data_dir=config.data_dir)
+    from dpfy.data.user_file import load_user_file
+
+    return load_user_file(
+        config.data, config.label or "", config.feature_bounds, test_path=config.test_data
+    )
+
+
 def _user_split(config: TrainConfig, data: LoadedDataset) -> UserSplit | None:
     """At user level, the training split dealt to ``config.users`` skewed simulated users."""
     if config.unit != "user":
@@ -231,7 +242,7 @@ def _train_into(
     from dpfy.jobs import outcome
 
     started = time.perf_counter()
-    data = load_dataset(config.dataset, data_dir=config.data_dir)
+    data = load_run_data(config)
     private, split = _make_run(config, data)
     job = load_checkpoint(private, run_dir) if resuming else JobState()
     resumed_at = private.ledger.steps if resuming else None

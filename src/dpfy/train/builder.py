@@ -36,6 +36,7 @@ from dpfy.train.distributed import (
 from dpfy.train.grads import EngineChoice, LossReduction, make_engine
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.noise.source import NoiseSource, SecureNoise, TorchNoise
+from dpfy.train.opacus_names import refuse_opacus_keywords
 from dpfy.train.optim import BatchBoundary, DPOptimizer
 from dpfy.train.session import PrivateTraining
 from dpfy.train.variants import LoaderInputs, Variant, variant_for
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 
+@refuse_opacus_keywords
 def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -48,6 +48,7 @@ from dpfy.train.grads import ClipResult, GradEngine, NoiseStart
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.noise.mechanisms import NoiseMechanism
 from dpfy.train.noise.source import NoiseSource, TorchNoise
+from dpfy.train.opacus_names import OPTIMIZER_ATTRIBUTES, attribute_error
 from dpfy.train.private_aggregation import PrivateAggregation
 from dpfy.train.step_record import StepRecord
 
@@ -134,6 +135,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.behaviour = behaviour
         #: The physical batches (backward passes) of the logical batch in progress.
         self.accumulation = Accumulation(engine)
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a missing attribute: Opacus's names get dpfy's spelling."""
+        raise attribute_error(type(self).__name__, name, OPTIMIZER_ATTRIBUTES)
 
     @property
     def mechanism(self) -> NoiseMechanism:

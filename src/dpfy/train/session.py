@@ -31,6 +31,7 @@ from dpfy.train.distributed import (
 from dpfy.train.grads import GradEngine
 from dpfy.train.ledger import TRAINING, PrivacyLedger
 from dpfy.train.noise.source import NoiseSource
+from dpfy.train.opacus_names import RUN_ATTRIBUTES, UNPACKING, attribute_error
 from dpfy.train.optim import DPOptimizer
 from dpfy.train.virtual import VirtualBatchLoader
 
@@ -65,6 +66,14 @@ class PrivateTraining:
         self.replicas = replicas if replicas is not None else SingleProcess()
         if ledger.run_id is None:  # one identity for all ranks, drawn by the writer
             ledger.run_id = self.replicas.on_writer(lambda: secrets.token_hex(8))
+
+    def __iter__(self) -> Any:
+        """Not a tuple: Opacus's ``model, optimizer, loader = …`` is answered with dpfy's way."""
+        raise TypeError(UNPACKING)
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a missing attribute: Opacus's names get dpfy's spelling."""
+        raise attribute_error(type(self).__name__, name, RUN_ATTRIBUTES)
 
     @property
     def noise(self) -> NoiseSource:
