@@ -151,11 +151,10 @@ class SingleProcess:
         """The run's ``steps`` drawn by a sampler of this kind, one epoch (N / B steps) per pass."""
         return make_sampler(
             kind, dataset_size, batch_size, epoch_length(dataset_size, batch_size), generator,
-            secure=secure, total=steps, max_batch_size=max_batch_size,
+            secure=secure, total=steps,
         )  # fmt: skip
 
     def gather(self, state: T) -> T:
-        max_batch_size: int | None = None,
         """A one-process checkpoint holds this process's state as is."""
         return state
 
@@ -246,7 +245,6 @@ class ProcessGroupReplicas:
         except RuntimeError as err:
             raise PeerFailure(
                 f"rank {self.rank} of {self.world_size}: the {what} failed ({err}). Most likely "
-        max_batch_size: int | None = None,
                 "another rank stopped (it crashed, was killed, raised an error such as "
                 "NonFiniteGradientError, or left the training loop early) or the network between "
                 "ranks failed; the process-group timeout bounds how long this takes to notice. "

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import typer
 from rich.console import Console
-from rich.table import Table
 
 from dpfy._validate import check_learning_rate, check_seed
 from dpfy.jobs.config import check_epochs
@@ -47,6 +49,8 @@ def tune_command(
     data_dir: Path | None = None,
     compare_default: bool = False,
     limit: int | None = None,
+    quiet: bool = False,
+    as_json: bool = False,
 ) -> dict[str, Any]:
     """Validate everything before loading data, run the tuning, print a summary table.
 
@@ -54,7 +58,9 @@ def tune_command(
     runs/tune-… one by default) and left as it was if the tuning fails before writing into it.
     ``compare_default`` also trains the untuned default on the private data; the ε printed is
     then the total of everything trained (its own ε included), and the table says so beside its
-    accuracy. ``limit`` caps the examples per split (quick runs).
+    accuracy. ``limit`` caps the examples per split (quick runs). The summary is plain lines
+    (a table is cut to the terminal's width, 80 columns when piped, and paths with it);
+    ``quiet`` prints only the output directory, ``as_json`` one JSON object.
     """
     from dpfy.jobs.run_dir import fresh_run_dir, release_run_dir
 
@@ -74,30 +80,53 @@ def tune_command(
     if config.out is None:  # a unique directory, so two runs started together never share one
         stamp = time.strftime("%Y%m%d-%H%M%S")
         config = replace(config, out=fresh_run_dir(Path("runs") / f"tune-{dataset}-{stamp}"))
-    console = Console()
+    console = Console(soft_wrap=True, quiet=quiet or as_json)
     try:
         result = run_tuning(config, console)
     finally:
         release_run_dir(config.out)
     summary = result.summary
+    if as_json:
+        files = {name: str(path) for name, path in result.files.items()}
+        document = {"status": "finished", "out": str(result.out), **summary, "paths": files}
+        typer.echo(json.dumps(_json_ready(document)))
+    elif quiet:
+        typer.echo(str(result.out))
+    else:
+        for line in _summary_lines(summary, result.out, result.files):
+            typer.echo(line)
+    return summary
+
+
+def _json_ready(value: Any) -> Any:
+    """JSON has no infinity or NaN (null instead) and no paths (strings instead)."""
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value) if isinstance(value, Path) else value
+
+
+def _summary_lines(summary: dict[str, Any], out: Path, files: dict[str, Path]) -> list[str]:
+    """The printed outcome, one ``name: value`` line each, paths whole."""
     final, default = summary["final"], summary["untuned_default"]
     tuning = summary["tuning"]
-    table = Table(title=f"dpfy tune → {result.out}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
+    rows: list[tuple[str, str]] = []
     chosen = tuning["chosen"]
-    table.add_row(
+    rows.append((
         "chosen",
         "nothing (K = 0 runs drawn): untuned default used"
         if chosen is None
         else f"C = {chosen['max_grad_norm']:g}, lr = {chosen['lr']:g}",
-    )
-    table.add_row("trials run", str(tuning["trials_run"]))
-    table.add_row("test accuracy (tuned)", f"{final['test_accuracy']:.4f}")
+    ))  # fmt: skip
+    rows.append(("trials run", str(tuning["trials_run"])))
+    rows.append(("test accuracy (tuned)", f"{final['test_accuracy']:.4f}"))
     eps = final["epsilon"]
     parts = ["training", "tuning"]
     if default is not None:  # a second model on the private data: its ε is in the total
-        table.add_row("test accuracy (untuned default)", f"{default['test_accuracy']:.4f}")
+        rows.append(("test accuracy (untuned default)", f"{default['test_accuracy']:.4f}"))
         parts.append(UNTUNED_LABEL)
     budget = f"budget {summary['budget']['total_epsilon']:g}"
     if default is not None:
@@ -106,16 +135,14 @@ def tune_command(
             "untuned default (--compare-default) trained on the same private data too, so the "
             "total composes it"
         )
-    table.add_row(
+    rows.append((
         f"ε {' / '.join(p.replace('-', ' ') for p in parts)} / total",
         " / ".join(_eps(eps.get(p, 0.0)) for p in parts)
         + f" / {_eps(eps['total'])} at δ = {summary['delta']:g} ({final['accountant']}, "
         f"tuning by {tuning['accounting']['method']}); {budget}",
-    )
-    for name, path in result.files.items():
-        table.add_row(name, str(path))
-    console.print(table)
-    return summary
+    ))  # fmt: skip
+    rows += [(name, str(path)) for name, path in files.items()]
+    return [f"dpfy tune → {out}", *(f"{name}: {value}" for name, value in rows)]
 
 
 __all__ = ["tune_command"]
