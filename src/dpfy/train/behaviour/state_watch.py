@@ -84,7 +84,7 @@ class StateWatch:
             by_device.setdefault(tensor.device, []).append((name, tensor))
         found: dict[str, tuple[object, ...]] = {}
         for group in by_device.values():  # one device-to-host copy per device
-            values = _summaries([t.detach() for _, t in group]).cpu().tolist()
+            values = _summaries([_local(t.detach()) for _, t in group]).cpu().tolist()
             for (name, tensor), row in zip(group, values, strict=True):
                 found[name] = (
                     tuple(tensor.shape),
@@ -131,3 +131,12 @@ def _checked_public(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
                 "name buffers as model.named_buffers() does. Parameters are always private"
             )
     return public
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (FSDP2 DTensor) tensor; a plain tensor as is.
+
+    Each rank fingerprints its own shard, so a write to any shard refuses on the rank holding it.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
