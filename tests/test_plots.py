@@ -22,8 +22,9 @@ from dpfy.report.facts import (
     accounting_facts,
     model_facts,
 )
+from dpfy.report.history import NOT_PRIVATE_TAG
 from dpfy.report.plots import CURVE_POINTS, epsilon_curve, plot_epsilon_curve
-from dpfy.report.training_plot import plot_training_curves
+from dpfy.report.training_plot import plot_training_curves, training_figure
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.step_record import StepRecord
 
@@ -152,3 +153,24 @@ def test_training_curves_without_accuracy_or_epsilon_still_draw(tmp_path):
     assert_png(tmp_path / "t.png")
     with pytest.raises(ValueError, match="'step'"):
         plot_training_curves([{"loss": 1.0}], tmp_path / "t.png")
+
+
+def test_every_training_curve_has_its_own_colour_in_the_shared_legend():
+    """Train loss and train accuracy share one legend: one colour each, never the same."""
+    history = [
+        {"step": s, "loss": 1.0 / s, "train_accuracy": s / 10, "test_accuracy": s / 11,
+         "test_loss": 2.0 / s, "epsilon": s / 5}
+        for s in range(1, 6)
+    ]  # fmt: skip
+    figure, _ = training_figure(history, baseline_accuracy=0.9)
+    drawn = {
+        line.get_label(): line.get_color()
+        for axes in figure.axes
+        for line in axes.get_lines()
+        if not line.get_label().startswith("_")
+    }
+    assert len(drawn) == 6  # loss, test loss, train and test accuracy, ε, the baseline
+    assert len(set(drawn.values())) == len(drawn), drawn
+    styles = {line.get_label(): line.get_linestyle() for a in figure.axes for line in a.get_lines()}
+    private = [label for label in styles if NOT_PRIVATE_TAG in label]
+    assert private and all(styles[label] == "--" for label in private)

@@ -81,13 +81,16 @@ def training_figure(
     series = {k: _series(history, k) for k in [*keys, "epsilon"]}
     labels = {k: series_label(k) for k in keys}
     losses = [k for k in keys if "loss" in k]
+    colours = _colours(keys)
     figure = Figure(figsize=(7, 6.8 if private_curves or losses else 4.6), layout="constrained")
     if private_curves or losses:
         loss_axes, acc_axes = figure.subplots(2, 1, sharex=True)
-        _draw(loss_axes, series, labels, losses, "train loss" if private_curves else "loss")
+        _draw(
+            loss_axes, series, labels, losses, "train loss" if private_curves else "loss", colours
+        )
     else:
         loss_axes = acc_axes = figure.subplots(1, 1)
-    _draw(acc_axes, series, labels, [k for k in keys if "accuracy" in k], "accuracy")
+    _draw(acc_axes, series, labels, [k for k in keys if "accuracy" in k], "accuracy", colours)
     if baseline_accuracy is not None:
         labels["baseline"] = f"{BASELINE_LABEL}: test accuracy {baseline_accuracy:.3g} (not DP)"
         acc_axes.axhline(baseline_accuracy, color="black", linestyle="--", label=labels["baseline"])
@@ -136,22 +139,43 @@ def plot_training_curves(
 
 
 def _draw(
-    axes: Any, series: dict[str, Any], labels: dict[str, str], keys: Sequence[str], ylabel: str
+    axes: Any,
+    series: dict[str, Any],
+    labels: dict[str, str],
+    keys: Sequence[str],
+    ylabel: str,
+    colours: dict[str, str],
 ) -> None:
     """Plot some series on one axes, or say there is nothing."""
     for key in keys:
         if series[key]:
             steps, values = zip(*series[key], strict=True)
-            axes.plot(steps, values, marker=".", label=labels[key], color=_colour(key))
+            axes.plot(
+                steps, values, marker=".", label=labels[key], color=colours[key],
+                linestyle="-" if is_released(key) else "--",
+            )  # fmt: skip
     if not any(series[k] for k in keys):
         axes.text(0.5, 0.5, f"no {ylabel} recorded", ha="center", transform=axes.transAxes)
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
 
 
-def _colour(key: str) -> str:
-    """Blue for released (test) curves, orange for curves on the private training data."""
-    return "tab:blue" if is_released(key) else "tab:orange"
+#: One colour per curve, so that the shared legend tells every curve apart; red (ε) and black
+#: (the baseline) are kept for those two. Released curves are solid, private ones dashed.
+_COLOURS = {
+    "test_accuracy": "tab:blue",
+    "test_loss": "tab:purple",
+    "train_accuracy": "tab:green",
+    "loss": "tab:orange",
+    "train_loss": "tab:orange",
+}
+_OTHER_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+
+
+def _colours(keys: Sequence[str]) -> dict[str, str]:
+    """Each curve's own colour: the known fields theirs, the others the next unused one."""
+    spare = iter(_OTHER_COLOURS * (1 + len(keys) // len(_OTHER_COLOURS)))
+    return {key: _COLOURS.get(key) or next(spare) for key in keys}
 
 
 def _legend(figure: Figure) -> None:

@@ -1,0 +1,106 @@
+"""One CLI: the same option names for the same things on every command (old spellings still
+work, hidden), choices checked while parsing, --json / --quiet wherever a command produces a
+result, and the small wrongs a reader of the output sees put right."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dpfy.cli.app import app
+
+
+def dpfy(*args: str, columns: int | None = None) -> tuple[int, str, str]:
+    env = None if columns is None else {"COLUMNS": str(columns)}
+    result = CliRunner().invoke(app, list(args), env=env)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+COMMANDS = ("train", "tune", "federated", "finetune", "audit")
+
+
+@pytest.mark.parametrize("command", ["train", "tune", "federated", "finetune"])
+def test_the_clip_norm_is_max_grad_norm_on_every_training_command(command):
+    code, stdout, _ = dpfy(command, "--help", columns=200)
+    assert code == 0 and "--max-grad-norm" in stdout
+    assert "--clip-norm" not in stdout  # the old federated spelling is hidden
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_with_a_result_offers_json_and_quiet(command):
+    code, stdout, _ = dpfy(command, "--help", columns=200)
+    assert code == 0 and "--json" in stdout and "--quiet" in stdout
+
+
+def test_the_old_federated_spelling_still_works_and_both_spellings_are_refused(tmp_path):
+    code, _, stderr = dpfy("federated", "--clip-norm", "0", "--out", str(tmp_path / "x"))
+    assert code == 2 and "clip_norm" in one_error_line(stderr)  # reached the config's check
+    code, _, stderr = dpfy(
+        "federated", "--clip-norm", "1", "--max-grad-norm", "2", "--out", str(tmp_path / "x")
+    )
+    assert code == 2 and "old spelling of --max-grad-norm" in one_error_line(stderr)
+    assert not (tmp_path / "x").exists()
+
+
+def test_max_examples_per_user_is_the_field_name_and_the_old_spelling_still_works(tmp_path):
+    code, stdout, _ = dpfy("train", "--help", columns=200)
+    assert "--max-examples-per-user" in stdout and "--max-user-examples" not in stdout
+    for option in ("--max-examples-per-user", "--max-user-examples"):
+        code, _, stderr = dpfy("train", option, "0", "--unit", "user",
+                               "--out", str(tmp_path / "x"))  # fmt: skip
+        assert code == 2 and "max_examples_per_user" in one_error_line(stderr), option
+    code, _, stderr = dpfy("train", "--max-user-examples", "2", "--max-examples-per-user", "3")
+    assert code == 2 and "old spelling" in one_error_line(stderr)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["audit", "RUN", "--method", "classic"], "'classic' is not one of classical"),
+        (["finetune", "--mode", "last-x"], "--mode"),
+        (["finetune", "--mode", "everything"], "last-N"),
+    ],
+)
+def test_choices_are_checked_while_parsing(tmp_path, args, named):
+    args = [str(tmp_path / "run") if a == "RUN" else a for a in args]
+    code, _, stderr = dpfy(*args)
+    assert code == 2 and named in one_error_line(stderr)
+
+
+def test_report_on_a_tune_directory_points_at_its_final_run(tmp_path):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "facts.json").write_text("{}")
+    code, _, stderr = dpfy("report", str(tmp_path))
+    line = one_error_line(stderr)
+    assert code == 2 and "`dpfy tune` directory" in line
+    assert f"dpfy report {tmp_path / 'final'}" in line
+
+
+def test_label_dp_without_public_features_says_epsilon_covers_the_labels_only(tmp_path):
+    code, stdout, stderr = dpfy("train", "--access", "label", "--model", "logreg", "--epochs",
+                                "0.3", "--out", str(tmp_path / "run"))  # fmt: skip
+    assert code == 0, stderr
+    covers = next(line for line in stdout.splitlines() if line.startswith("ε covers: "))
+    assert "labels only" in covers and "NOT declared public" in covers
+    code, stdout, _ = dpfy("train", "--access", "label", "--features-public", "--model",
+                           "logreg", "--epochs", "0.3", "--json", "--out",
+                           str(tmp_path / "public"))  # fmt: skip
+    covered = json.loads(stdout)["epsilon_covers"]
+    assert "labels only" in covered and "declared public" in covered and "NOT" not in covered
+
+
+def test_a_full_training_run_says_epsilon_covers_the_whole_example(tmp_path):
+    code, stdout, _ = dpfy("train", "--model", "logreg", "--epochs", "0.3", "--json",
+                           "--out", str(tmp_path / "run"))  # fmt: skip
+    assert code == 0
+    assert json.loads(stdout)["epsilon_covers"] == "the whole example (features and label)"
+    assert Path(json.loads(stdout)["run_dir"]) == tmp_path / "run"
