@@ -32,6 +32,7 @@ from dpfy.train.distributed import (
     current_replicas,
     replicas_for,
     trainable_shapes,
+    unwrap_ddp,
 )
 from dpfy.train.grads import EngineChoice, LossReduction, make_engine
 from dpfy.train.ledger import PrivacyLedger
@@ -138,6 +139,7 @@ def make_private(
     pass, a write in the loop) refuses the next one, except in ``public_buffers`` (buffer names
     whose values are public).
     """
+    model = unwrap_ddp(model)  # dpfy sums the clipped, noised gradients across ranks itself
     train_dataset, batch_size, options = unpack_dataloader(
         train_dataset, batch_size, checked_loader_options(loader_options)
     )

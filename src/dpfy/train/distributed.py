@@ -49,6 +49,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from dpfy.data.sampling import DpBatchSampler, epoch_length, make_sampler, sampling_rate_for
 from dpfy.data.sharding import ShardedPoissonSampler
@@ -147,11 +155,12 @@ class SingleProcess:
         steps: int,
         generator: torch.Generator | None,
         secure: bool = False,
+        max_batch_size: int | None = None,
     ) -> DpBatchSampler:
         """The run's ``steps`` drawn by a sampler of this kind, one epoch (N / B steps) per pass."""
         return make_sampler(
             kind, dataset_size, batch_size, epoch_length(dataset_size, batch_size), generator,
-            secure=secure, total=steps,
+            secure=secure, total=steps, max_batch_size=max_batch_size,
         )  # fmt: skip
 
     def gather(self, state: T) -> T:
@@ -182,6 +191,24 @@ class SingleProcess:
 
     def verify_ledger(self, ledger: Any) -> None:
         """One ledger, trivially identical."""
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The model's state dict as a checkpoint holds it."""
+        return model.state_dict()
+
+    def load_model_state(self, model: nn.Module, state: Mapping[str, Any]) -> None:
+        """Load a checkpoint's model state."""
+        model.load_state_dict(state)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """The wrapped optimizer's state as a checkpoint holds it."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any
+    ) -> None:
+        """Load a checkpoint's optimizer state."""
+        optimizer.load_state_dict(state)
 
 
 class ProcessGroupReplicas:
@@ -219,6 +246,7 @@ class ProcessGroupReplicas:
         steps: int,
         generator: torch.Generator | None,
         secure: bool = False,
+        max_batch_size: int | None = None,
     ) -> DpBatchSampler:
         """This rank's shard, Poisson-sampled at the global q = B/N; other samplers refused.
 
@@ -240,8 +268,8 @@ class ProcessGroupReplicas:
         """Run a collective, turning a communication failure into one clear :class:`PeerFailure`."""
         try:
             return collective()
-        except (RankMismatch, RanksOutOfStep):
-            raise
+        except (RankMismatch, RanksOutOfStep, NotImplementedError):
+            raise  # a refusal, or an operation torch cannot do here: not a stopped peer
         except RuntimeError as err:
             raise PeerFailure(
                 f"rank {self.rank} of {self.world_size}: the {what} failed ({err}). Most likely "
@@ -317,6 +345,11 @@ class ProcessGroupReplicas:
             for tensor in [*model.parameters(), *model.buffers()]:
                 self.run("broadcast of the initial model", lambda t=tensor: _broadcast(t))
 
+    model_state = SingleProcess.model_state
+    load_model_state = SingleProcess.load_model_state
+    optimizer_state = SingleProcess.optimizer_state
+    load_optimizer_state = SingleProcess.load_optimizer_state
+
     def verify_ledger(self, ledger: Any) -> None:
         """Raise unless every rank's ledger accounts the same events (true by construction).
 
@@ -379,6 +412,90 @@ class AllReduceAggregator:
             )
 
 
+class ShardedReplicas(ProcessGroupReplicas):
+    """The ranks of a ``fully_shard`` (FSDP2) model: parameters and optimizer state sharded.
+
+    Each example is on one rank and its layers run on the all-gathered parameters, so its
+    gradient — and its norm — is computed whole on that rank, exactly as in one process; the
+    clipped sums (each rank's noise share included) are summed over the ranks and each rank
+    keeps its own shard as the parameter's gradient, which the wrapped optimizer applies to its
+    shard. Checkpoints hold the full model and optimizer state (gathered, written by rank 0) and
+    load back into any sharding of the same model over the same number of ranks.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._params = dict(model.named_parameters())
+
+    def aggregator(self) -> GradientAggregator:
+        """All-reduce of the noised clipped sums, then this rank's shard of each."""
+        return ShardedAggregator(self, self._params)
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The full (unsharded) state dict, on the CPU (collective; rank 0's is the one written)."""
+        return get_model_state_dict(model, options=_FULL)
+
+    def load_model_state(self, model: nn.Module, state: Mapping[str, Any]) -> None:
+        """Load a full state dict into the sharded model: each rank keeps its own shards."""
+        set_model_state_dict(model, dict(state), options=_FULL_LOAD)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """The wrapped optimizer's full state (collective)."""
+        return get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+    def load_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any
+    ) -> None:
+        """Load a full optimizer state into this rank's shards."""
+        set_optimizer_state_dict(model, optimizer, state, options=_FULL_LOAD)
+
+
+class ShardedAggregator(AllReduceAggregator):
+    """Σ over ranks of (clipped sum + N(0, std²/W)), then this rank's shard of each parameter.
+
+    The sums are formed full-size on every rank (each rank's examples touch every coordinate);
+    after the sum every rank keeps only the coordinates of its own shard, as a DTensor laid out
+    like the parameter, which the optimizer then updates.
+    """
+
+    def __init__(self, replicas: ShardedReplicas, params: Mapping[str, Tensor]) -> None:
+        super().__init__(replicas)
+        self.params = params
+
+    def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The noisy global clipped sum of this rank's shard of every parameter."""
+        total = super().combine(noised)
+        return {name: _shard_like(self.params.get(name), value) for name, value in total.items()}
+
+
+def _shard_like(param: Tensor | None, full: Tensor) -> Tensor:
+    """``full`` cut as ``param`` is sharded (a plain parameter: ``full`` itself)."""
+    if not isinstance(param, DTensor):
+        return full
+    local = full
+    mesh = param.device_mesh
+    for dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            axis = placement.dim  # type: ignore[attr-defined]
+            pieces = torch.chunk(local, mesh.size(dim), dim=axis)
+            index = mesh.get_local_rank(dim)
+            local = pieces[index] if index < len(pieces) else local.narrow(axis, 0, 0)
+    expected = param.to_local().shape
+    if local.shape != expected:
+        raise ValueError(
+            f"a sharded parameter's local shard has shape {tuple(expected)} but its part of the "
+            f"gradient has {tuple(local.shape)}: only fully_shard's even dim-0 sharding is "
+            "supported; shard the model with torch.distributed.fsdp.fully_shard defaults"
+        )
+    return DTensor.from_local(
+        local.contiguous(), mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FULL_LOAD = StateDictOptions(full_state_dict=True)
+
+
 def _all_reduce(tensor: Tensor) -> None:
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     if work is not None:
@@ -386,7 +503,24 @@ def _all_reduce(tensor: Tensor) -> None:
 
 
 def _broadcast(tensor: Tensor) -> None:
-    dist.broadcast(tensor.data, src=0)
+    """Rank 0's values everywhere; a sharded tensor (FSDP2) is one tensor already.
+
+    Each rank owns its own shard of a ``fully_shard`` parameter, so the ranks hold one model
+    whatever each initialised; a replicated DTensor's local copy is broadcast like a tensor.
+    """
+    local = _local(tensor)
+    if local is None:
+        return
+    dist.broadcast(local, src=0)
+
+
+def _local(tensor: Tensor) -> Tensor | None:
+    """The plain tensor a broadcast may overwrite: None for a sharded DTensor."""
+    if isinstance(tensor, DTensor):
+        if any(p.is_shard() for p in tensor.placements):
+            return None
+        return tensor.to_local()
+    return tensor.data
 
 
 def _by_dtype_and_device(tensors: dict[str, Tensor]) -> dict[tuple[Any, Any], list[str]]:
@@ -407,21 +541,26 @@ def _collective_device() -> torch.device:
 def replicas_for(
     distributed: bool | None, model: nn.Module
 ) -> SingleProcess | ProcessGroupReplicas:
-    """Pick one process or the process group; refuse a DDP-wrapped model.
+    """Pick one process, the process group, or its sharded form for a ``fully_shard`` model.
 
-    ``None``: distributed when a process group with more than one rank is initialised.
+    ``None``: distributed when a process group with more than one rank is initialised. A
+    sharded model needs the process group it was sharded over.
     """
-    if isinstance(model, nn.parallel.DistributedDataParallel):
+    if distributed not in (None, True, False):
+        raise ValueError(f"distributed must be None, True or False; got {distributed!r}")
+    sharded = is_sharded(model)
+    if sharded and distributed is False:
         raise ValueError(
-            "pass the plain model (ddp_model.module), not a DistributedDataParallel wrapper: DDP "
-            "averages *unclipped* gradients across ranks, while dpfy all-reduces the clipped, "
-            "noised sums itself (make_private(..., distributed=True))"
+            "the model is sharded with fully_shard (FSDP2), so its parameters live on every "
+            "rank of the process group; leave distributed=None (or True) to train it with them"
         )
     if distributed is None:
-        return current_replicas()
-    if distributed not in (True, False):
-        raise ValueError(f"distributed must be None, True or False; got {distributed!r}")
-    return ProcessGroupReplicas() if distributed else SingleProcess()
+        replicas = current_replicas()
+    else:
+        replicas = ProcessGroupReplicas() if distributed else SingleProcess()
+    if sharded and isinstance(replicas, ProcessGroupReplicas):
+        return ShardedReplicas(model)
+    return replicas
 
 
 def current_replicas() -> SingleProcess | ProcessGroupReplicas:
@@ -429,6 +568,25 @@ def current_replicas() -> SingleProcess | ProcessGroupReplicas:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return ProcessGroupReplicas()
     return SingleProcess()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) sharded some of the model's parameters (DTensors)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def unwrap_ddp(model: nn.Module) -> nn.Module:
+    """The model inside a ``DistributedDataParallel`` wrapper, the wrapper's own sync off.
+
+    DDP would average *unclipped* gradients across ranks in its backward hooks; dpfy sums the
+    clipped, noised ones itself. Turning the wrapper's gradient sync off (as its ``no_sync()``
+    does) leaves calling it a plain forward, so a loop or framework that calls the wrapper
+    (Lightning's DDP strategy) trains the same private model. A plain model is returned as is.
+    """
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return model
+    model.require_backward_grad_sync = False
+    return model.module
 
 
 @contextlib.contextmanager

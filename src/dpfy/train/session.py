@@ -137,8 +137,10 @@ class PrivateTraining:
         return seal(
             {
                 "plan": asdict(self.plan),
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "model": self.replicas.model_state(self.model),
+                "optimizer": self.replicas.optimizer_state(
+                    self.model, self.optimizer.original_optimizer
+                ),
                 "ledger": self.ledger.state_dict(),
                 "loader": self.replicas.gather(self.loader.state_dict()),
                 "mechanism": self.optimizer.mechanism.state_dict(),
@@ -202,19 +204,19 @@ class PrivateTraining:
                 "or start a new run"
             )
         backup = {
-            "model": copy.deepcopy(self.model.state_dict()),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "model": copy.deepcopy(self.replicas.model_state(self.model)),
+            "optimizer": copy.deepcopy(
+                self.replicas.optimizer_state(self.model, self.optimizer.original_optimizer)
+            ),
             "loader": self.loader.state_dict(),
             "mechanism": copy.deepcopy(self.optimizer.mechanism.state_dict()),
         }
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_model_and_optimizer(state["model"], state["optimizer"])
             self.loader.load_state_dict(mine)
             self.optimizer.mechanism.load_state_dict(state["mechanism"])
         except Exception as err:
-            self.model.load_state_dict(backup["model"])
-            self.optimizer.load_state_dict(backup["optimizer"])
+            self._load_model_and_optimizer(backup["model"], backup["optimizer"])
             self.loader.load_state_dict(backup["loader"])
             self.optimizer.mechanism.load_state_dict(backup["mechanism"])
             raise ValueError(
@@ -226,6 +228,12 @@ class PrivateTraining:
             self.ledger.record_event(
                 event, label=carried if label in (TRAINING, REWOUND) else label, count=count
             )
+
+    def _load_model_and_optimizer(self, model: Any, optimizer: Any) -> None:
+        """The model's state, then the wrapped optimizer's (sharded models: into each shard)."""
+        self.replicas.load_model_state(self.model, model)
+        self.replicas.load_optimizer_state(self.model, self.optimizer.original_optimizer, optimizer)
+        self.optimizer.load_state_dict(self.optimizer.original_optimizer.state_dict())
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write a checkpoint atomically: a crash mid-write never destroys the previous one.
@@ -261,6 +269,7 @@ class PrivateTraining:
     def detach(self) -> nn.Module:
         """Remove dpfy's hooks; returns the model (the optimizer can no longer step)."""
         self.engine.detach()
+        self.optimizer.accumulation.remove()
         if self.optimizer.behaviour is not None:
             self.optimizer.behaviour.detach()
         return self.model
@@ -269,7 +278,6 @@ class PrivateTraining:
         """The run's privacy settings at a glance."""
         s = self.plan
         return (
-        self.optimizer.accumulation.remove()
             f"PrivateTraining(N={s.dataset_size}, B={s.expected_batch_size}, "
             f"q={s.sampling_rate:.4g}, σ={s.noise_multiplier:.4g}, C={s.max_grad_norm:g}, "
             f"steps={s.steps}, δ={s.delta:g}, engine={self.engine.kind})"
