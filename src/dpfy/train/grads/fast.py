@@ -22,11 +22,13 @@ from torch import Tensor
 
 from dpfy.train.grads.capture import Call, Tap, release
 from dpfy.train.grads.engine import GradEngine, NoiseStart
+from dpfy.train.grads.hooks import refuse_gradient_hooks
 from dpfy.train.grads.layout import Units, prepare_call
-from dpfy.train.grads.precision import autocast_off
+from dpfy.train.grads.precision import autocast_off, compute_dtype
 from dpfy.train.grads.registry import LayerRule, find_rule
 from dpfy.train.grads.rows import Rows
 from dpfy.train.grads.shared import cross_inner_products
+from dpfy.train.grads.vmap import per_example_grads
 
 __all__ = ["FastEngine"]
 
@@ -38,9 +40,17 @@ class FastEngine(GradEngine):
 
     kind = "fast"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """Same arguments as :class:`GradEngine`; every tap must have a rule."""
+    def __init__(self, *args: Any, replay_repeated: bool = False, **kwargs: Any) -> None:
+        """Same arguments as :class:`GradEngine`; every tap must have a rule.
+
+        ``replay_repeated`` (``engine="auto"``): a layer called more than once in a forward pass
+        gets its per-example gradients from the vmap engine's replay of each call (summed over
+        the calls) instead of being refused; the other layers keep their rules.
+        """
         super().__init__(*args, **kwargs)
+        self._replay_repeated = replay_repeated
+        #: The layers whose per-example gradients the last step formed by replay (called twice).
+        self.replayed_layers: set[str] = set()
         self._pending: list[_Pending] = []
         self._layer_names = {tap.name: self._names_of(tap) for tap in self._taps.taps}
         self._shared = self._shared_uses()
@@ -62,7 +72,7 @@ class FastEngine(GradEngine):
 
     def _check_calls(self, tap: Tap, calls: list[Call]) -> None:
         """Refuse a layer used more than once in one forward pass (its norms would couple)."""
-        if len(calls) > 1:
+        if len(calls) > 1 and not (self._replay_repeated and tap.name not in self._sharing):
             raise ValueError(
                 f"layer '{tap.name}' was called {len(calls)} times in one forward pass; the "
                 "fast engine does not support repeated use. Use make_engine(..., engine='vmap')"
@@ -90,10 +100,19 @@ class FastEngine(GradEngine):
 
     def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], units: Units) -> Tensor:
         """Sum each layer's per-unit squared norms (from its rule, or its compact gradients)."""
+        refuse_gradient_hooks(self.params)  # one added since make_engine: refused before summing
         self._pending = []
         total: Tensor | None = None
+        counts: dict[str, int] = {}
+        for tap, _ in calls:
+            counts[tap.name] = counts.get(tap.name, 0) + 1
+        repeated: dict[str, tuple[Tap, list[Call]]] = {}
+        self.replayed_layers = set()
         for tap, call in calls:
             rule = self._rule(tap)
+            if counts[tap.name] > 1:  # only under replay_repeated (_check_calls refused it else)
+                repeated.setdefault(tap.name, (tap, []))[1].append(call)
+                continue
             if call.compact is not None:
                 grouped = {name: rows.per_unit(units) for name, rows in call.compact.items()}
                 self._pending.append((tap, rule, call, grouped))
@@ -105,10 +124,28 @@ class FastEngine(GradEngine):
                 self._pending.append((tap, rule, prepared, None))
                 sq = rule.sq_norms(tap.module, prepared)
                 total = sq if total is None else total + sq
+        for tap, tap_calls in repeated.values():
+            grouped = self._replayed_rows(tap, tap_calls, units)
+            self._pending.append((tap, self._rule(tap), tap_calls[0], grouped))
+            self.replayed_layers.add(tap.name)
+            for rows in grouped.values():
+                sq = rows.sq_norms()
+                total = sq if total is None else total + sq
         assert total is not None
         if self._shared:
             total = total + self._cross_terms()
         return total
+
+    def _replayed_rows(self, tap: Tap, calls: list[Call], units: Units) -> dict[str, Rows]:
+        """Per-unit gradients of a layer called several times: each call replayed, summed."""
+        summed: dict[str, Tensor] = {}
+        with autocast_off(*self._devices):
+            for call in calls:
+                grads = per_example_grads(tap, call, self.batch_dim(tap, call))
+                for local, grad in grads.items():
+                    rows = grad.to(compute_dtype(grad.dtype)).reshape(grad.shape[0], -1)
+                    summed[local] = summed[local] + rows if local in summed else rows
+        return {local: Rows.of(rows).per_unit(units) for local, rows in summed.items()}
 
     def _cross_terms(self) -> Tensor | float:
         """Σ over shared parameters of 2⟨G_k, G_l⟩ for every pair of layers k < l using it.

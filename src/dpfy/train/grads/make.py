@@ -13,6 +13,7 @@ from dpfy.train.grads.capture import Tap
 from dpfy.train.grads.engine import WATCHED, GradEngine
 from dpfy.train.grads.fast import FastEngine
 from dpfy.train.grads.hf_losses import guard_hf_losses
+from dpfy.train.grads.hooks import refuse_gradient_hooks
 from dpfy.train.grads.registry import LayerRule, find_rule
 from dpfy.train.grads.substitutions import restore, substitute, substitution_blocker
 from dpfy.train.grads.vmap import VmapEngine
@@ -153,6 +154,7 @@ def make_engine(
         raise ValueError(f"engine must be 'auto', 'fast' or 'vmap', got {engine!r}")
     if any(module in WATCHED for module in model.modules()):
         raise ValueError("this model already has an engine attached; detach() it first")
+    refuse_gradient_hooks({n: p for n, p in model.named_parameters() if p.requires_grad})
     blocker = fast_blocker(model)
     if engine == "fast" and blocker is not None:
         raise ValueError(
@@ -189,16 +191,16 @@ def make_engine(
                     skip_param_grad=rule is not None and rule.skip_param_grad,
                 )
             )
-        cls = FastEngine if kind == "fast" else VmapEngine
-        return cls(
-            model,
-            taps,
+        common = dict(
             batch_first=batch_first,
             substitutions=substitutions,
             param_names=names,
-            fallback_reason=blocker if engine == "auto" and kind == "vmap" else None,
             loss_guard=loss_guard,
         )
+        if kind == "fast":  # under "auto", a layer called twice is replayed as vmap would
+            return FastEngine(model, taps, replay_repeated=engine == "auto", **common)
+        reason = blocker if engine == "auto" else None
+        return VmapEngine(model, taps, fallback_reason=reason, **common)
     except Exception:
         restore(substitutions)
         loss_guard.remove()

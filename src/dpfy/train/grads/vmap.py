@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from dpfy.train.grads.capture import Call, Tap
 from dpfy.train.grads.dropout import replaying
 from dpfy.train.grads.engine import GradEngine
+from dpfy.train.grads.hooks import refuse_gradient_hooks
 from dpfy.train.grads.layout import Units
 from dpfy.train.grads.norms import sq_norm
 from dpfy.train.grads.precision import autocast_as, compute_dtype, is_low
@@ -205,6 +206,7 @@ class VmapEngine(GradEngine):
 
     def _unit_sq_norms(self, calls: list[tuple[Tap, Call]], units: Units) -> Tensor:
         """Per-unit squared norms, layer by layer; shared parameters summed before squaring."""
+        refuse_gradient_hooks(self.params)  # one added since make_engine: refused before summing
         uses: dict[str, int] = {}
         for tap, _ in calls:
             for local in tap.trainable:
