@@ -174,3 +174,37 @@ def test_every_training_curve_has_its_own_colour_in_the_shared_legend():
     styles = {line.get_label(): line.get_linestyle() for a in figure.axes for line in a.get_lines()}
     private = [label for label in styles if NOT_PRIVATE_TAG in label]
     assert private and all(styles[label] == "--" for label in private)
+
+
+def test_a_history_without_loss_has_no_empty_panel_and_rounds_are_called_rounds():
+    """A federated run records no loss: one accuracy panel (ε on its twin), counted in rounds."""
+    from types import SimpleNamespace
+
+    from dpfy.report.render import step_axis
+
+    history = [{"step": r, "epoch": r / 10, "test_accuracy": r / 20, "epsilon": r / 4}
+               for r in range(1, 6)]  # fmt: skip
+    figure, _ = training_figure(history, step_name="rounds")
+    panels = [axes for axes in figure.axes if axes.get_xlabel()]
+    assert len(panels) == 1 and panels[0].get_xlabel() == "rounds"
+    assert not any("no " in text.get_text() for a in figure.axes for text in a.texts)
+    federated = SimpleNamespace(privacy=SimpleNamespace(algorithm="dp-fedavg", unit="user"))
+    central = SimpleNamespace(privacy=SimpleNamespace(algorithm="dp-sgd", unit="example"))
+    assert step_axis(federated) == "rounds"
+    assert step_axis(central) == "gradient steps"
+
+
+def test_audit_plot_titles_carry_the_estimate_and_the_claim_it_tested(tmp_path):
+    from dpfy.audit.plots import audit_title, write_audit_plots
+    from dpfy.audit.result import AuditResult
+
+    result = AuditResult("classical", 0.8, 0.95, 1e-5, canaries=10, runs=200,
+                         claimed_epsilon=1.35, threat_model="white-box")  # fmt: skip
+    title = audit_title("1-classical", result)
+    assert "ε̂ = 0.8 at 95% confidence" in title
+    assert "claimed ε = 1.35 (this audit's run)" in title
+    assert audit_title("1-classical") == "1-classical"
+    rng = np.random.default_rng(0)
+    paths = write_audit_plots(rng.normal(1, 1, 50), rng.normal(0, 1, 50), tmp_path, "1-classical",
+                              result=result)  # fmt: skip
+    assert_png(paths["roc"])

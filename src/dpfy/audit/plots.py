@@ -15,6 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from dpfy.audit.membership import RocCurve, roc_curve
+from dpfy.audit.result import AuditResult
 
 _DPI = 120
 #: The lowest FPR drawn on the log-scaled ROC (an attack's rates are at least 1/n anyway).
@@ -60,6 +61,25 @@ def plot_roc(curve: RocCurve, path: str | os.PathLike[str], *, title: str = "ROC
     return _save(figure, path)
 
 
+def audit_title(name: str, result: AuditResult | None = None) -> str:
+    """A plot's title: the audit's name, and with its result ε̂ beside the claim it tested.
+
+    The claim is the ε of what the audit itself ran (a step, an epoch, a re-run), not the run's
+    whole ε, so the title says so; a picture read alone must not suggest another comparison.
+    """
+    if result is None:
+        return name
+    claim = (
+        "claim unknown"
+        if result.claimed_epsilon is None
+        else f"claimed ε = {result.claimed_epsilon:.3g} (this audit's run)"
+    )
+    return (
+        f"{name}\nε̂ = {result.epsilon_lower_bound:.3g} at {result.confidence:.0%} confidence "
+        f"· {claim}"
+    )
+
+
 def write_audit_plots(
     scores_in: np.ndarray,
     scores_out: np.ndarray,
@@ -67,20 +87,27 @@ def write_audit_plots(
     name: str,
     *,
     roc: bool = True,
+    result: AuditResult | None = None,
 ) -> dict[str, Path]:
     """The plots of one audit into ``run_dir`` as ``audit-NAME-scores.png`` / ``-roc.png``.
 
-    ``roc=False`` leaves the ROC out, for an audit whose guesses are no threshold attack.
+    ``roc=False`` leaves the ROC out, for an audit whose guesses are no threshold attack;
+    ``result`` puts its ε̂ and the claim it tested into the titles.
     """
     directory = Path(run_dir)
     paths = {
         "scores": plot_score_histograms(
-            scores_in, scores_out, directory / f"audit-{name}-scores.png", title=f"{name} scores"
+            scores_in,
+            scores_out,
+            directory / f"audit-{name}-scores.png",
+            title=audit_title(f"{name} scores", result),
         )
     }
     if roc:
         paths["roc"] = plot_roc(
-            roc_curve(scores_in, scores_out), directory / f"audit-{name}-roc.png", title=name
+            roc_curve(scores_in, scores_out),
+            directory / f"audit-{name}-roc.png",
+            title=audit_title(name, result),
         )
     return paths
 
@@ -94,4 +121,4 @@ def _save(figure: Figure, path: str | os.PathLike[str]) -> Path:
     return target
 
 
-__all__ = ["plot_roc", "plot_score_histograms", "write_audit_plots"]
+__all__ = ["audit_title", "plot_roc", "plot_score_histograms", "write_audit_plots"]

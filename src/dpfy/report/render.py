@@ -42,6 +42,18 @@ FORMATS: dict[str, Callable[[ReportCard], str]] = {
 }
 
 
+def step_axis(facts: RunFacts) -> str:
+    """What one step of the run is called on a plot's axis: the variant's own word ("gradient
+    steps", "rounds" for DP-FedAvg), so a federated plot does not count rounds as steps."""
+    from dpfy.plan.variants import variant_for
+
+    try:
+        steps = variant_for(facts.privacy.algorithm, facts.privacy.unit).text.steps
+    except ValueError:
+        return "training steps"
+    return steps.removeprefix("noised ")
+
+
 def render(facts: RunFacts, fmt: str = "md") -> str:
     """The report of ``facts`` as Markdown ('md') or indented JSON ('json') text."""
     if fmt not in FORMATS:
@@ -100,11 +112,16 @@ def write_report(
             written["epsilon_plot"] = target / EPSILON_PLOT
             plot_epsilon_curve(facts, written["epsilon_plot"])
         if history:
+            axis = step_axis(facts)
             written["training_plot"] = target / TRAINING_PLOT
-            plot_training_curves(history, written["training_plot"], private_curves=False)
+            plot_training_curves(
+                history, written["training_plot"], private_curves=False, step_name=axis
+            )
             written["diagnostics_plot"] = target / DIAGNOSTICS_PLOT
             baseline = facts.results.baseline_accuracy
-            plot_training_curves(history, written["diagnostics_plot"], baseline_accuracy=baseline)
+            plot_training_curves(
+                history, written["diagnostics_plot"], baseline_accuracy=baseline, step_name=axis
+            )
     return written
 
 

@@ -60,6 +60,7 @@ def training_figure(
     *,
     baseline_accuracy: float | None = None,
     private_curves: bool = True,
+    step_name: str = "training steps",
 ) -> tuple[Figure, TrainingCurves]:
     """Loss and accuracy (ε on a secondary axis, the baseline as a line) against steps.
 
@@ -67,7 +68,9 @@ def training_figure(
     containing ``accuracy`` (e.g. ``train_accuracy``, ``test_accuracy``), ``epsilon`` and
     ``epoch``; rows may carry only some of them. ``private_curves=False`` draws only released
     fields (the plot beside the card): no curve measured on the private data and no baseline,
-    and the loss panel only if a released loss (e.g. ``test_loss``) was recorded.
+    and the loss panel only if a released loss (e.g. ``test_loss``) was recorded. A history
+    without any loss (a federated run records none) gets no loss panel: never an empty half.
+    ``step_name`` labels the x axis (e.g. "rounds").
     """
     _check(history, baseline_accuracy)
     if not private_curves and baseline_accuracy is not None:
@@ -80,10 +83,10 @@ def training_figure(
         keys = [k for k in keys if is_released(k)]
     series = {k: _series(history, k) for k in [*keys, "epsilon"]}
     labels = {k: series_label(k) for k in keys}
-    losses = [k for k in keys if "loss" in k]
+    losses = [k for k in keys if "loss" in k and series[k]]
     colours = _colours(keys)
-    figure = Figure(figsize=(7, 6.8 if private_curves or losses else 4.6), layout="constrained")
-    if private_curves or losses:
+    figure = Figure(figsize=(7, 6.8 if losses else 4.6), layout="constrained")
+    if losses:
         loss_axes, acc_axes = figure.subplots(2, 1, sharex=True)
         _draw(
             loss_axes, series, labels, losses, "train loss" if private_curves else "loss", colours
@@ -101,7 +104,7 @@ def training_figure(
         eps_axes.set_ylabel("ε spent", color="tab:red")
         eps_axes.set_ylim(bottom=0)
     _epoch_axis(loss_axes, history)
-    acc_axes.set_xlabel("training steps")
+    acc_axes.set_xlabel(step_name)
     _legend(figure)
     figure.suptitle(_title(private_curves, keys, series, baseline_accuracy), fontsize=10)
     steps_drawn = tuple(int(row["step"]) for row in history)
@@ -129,10 +132,14 @@ def plot_training_curves(
     *,
     baseline_accuracy: float | None = None,
     private_curves: bool = True,
+    step_name: str = "training steps",
 ) -> TrainingCurves:
     """Write :func:`training_figure` as a PNG to ``path``; return what was drawn."""
     figure, curves = training_figure(
-        history, baseline_accuracy=baseline_accuracy, private_curves=private_curves
+        history,
+        baseline_accuracy=baseline_accuracy,
+        private_curves=private_curves,
+        step_name=step_name,
     )
     save_png(figure, path)
     return curves
