@@ -104,3 +104,18 @@ def test_a_full_training_run_says_epsilon_covers_the_whole_example(tmp_path):
     assert code == 0
     assert json.loads(stdout)["epsilon_covers"] == "the whole example (features and label)"
     assert Path(json.loads(stdout)["run_dir"]) == tmp_path / "run"
+
+
+@pytest.mark.parametrize(
+    ("classes", "best", "noted"),
+    [(2, 0.9, False), (2, 0.55, True), (10, 0.15, True), (10, 0.5, False), (3, 0.42, True)],
+)
+def test_tunings_near_chance_note_fires_near_chance_only(classes, best, noted):
+    """On binary data twice chance is 1.0: the note must not fire on every binary dataset."""
+    from types import SimpleNamespace
+
+    from dpfy.tune.pipeline import _check_informative
+
+    outcome = SimpleNamespace(results=[SimpleNamespace(accuracy=best)], notes=[])
+    _check_informative(outcome, num_classes=classes)
+    assert bool(outcome.notes) is noted

@@ -142,10 +142,15 @@ def _check_informative(outcome: TuningOutcome, num_classes: int) -> None:
         return
     best = max(r.accuracy for r in outcome.results)
     chance = 1.0 / num_classes
-    if best < 2 * chance:
+    # Twice chance is "near" with many classes, but with two it is perfect accuracy: the bar is
+    # the lower of twice chance and chance + 0.1, so a binary task is noted only near 0.5.
+    near = min(2 * chance, chance + 0.1)
+    if best < near:
+        bar = "twice chance" if near == 2 * chance else "chance + 0.1"
         outcome.notes.append(
-            f"the best trial scored {best:.3f}, under twice chance ({chance:.3f}): the trials "
-            "are too short or too noisy to choose between configurations; lengthen --trial-epochs"
+            f"the best trial scored {best:.3f}, under {bar} ({near:.3f}; chance is "
+            f"{chance:.3f}): the trials are too short or too noisy to choose between "
+            "configurations; lengthen --trial-epochs"
         )
 
 
