@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from dpfy.plan.accounting.events import DpEvent
 from dpfy.tune.budget import BudgetSplit, plan_budget
@@ -58,6 +65,8 @@ def _progress(console: Console) -> Progress:
         MofNCompleteColumn(),
         TextColumn("{task.fields[last]}"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),  # the estimate the issue asked for (trials take minutes)
         console=console,
     )
 
