@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpfy._validate import check_seed
 from dpfy.audit.correlated import seconds_per_step as factorised_seconds_per_step
 from dpfy.audit.observe import StepSettings, run_session
 from dpfy.audit.plots import write_audit_plots
@@ -45,6 +48,7 @@ from dpfy.audit.whitebox import (
     design_for,
 )
 from dpfy.jobs.blackbox_audit import BlackBoxRun, plan_blackbox, run_blackbox
+from dpfy.jobs.run_lock import AUDIT_LOCK, AuditLock, audit_in_progress
 from dpfy.plan.correlated_events import describe_strategy
 from dpfy.report.card import build_report
 from dpfy.report.facts import RunFacts, recompute_accounting
@@ -60,6 +64,10 @@ AUDIT_METHODS = ("classical", "one-run", "both", "black-box")
 CHECKS_KEY = "behaviour_checks"
 #: ``--blocks`` when not given: trials of one step or epoch, or whole re-runs (BandMF, BLT).
 DEFAULT_BLOCKS = 200
+#: Upper bounds on ``--blocks`` and ``--canaries``: an audit keeps each trial's scores, and
+#: 10¹² blocks would ask numpy for petabytes.
+MAX_BLOCKS = 100_000
+MAX_CANARIES = 100_000
 DEFAULT_FACTORISED_BLOCKS = 10
 
 
@@ -77,8 +85,20 @@ class AuditConfig:
     def __post_init__(self) -> None:
         if self.method not in AUDIT_METHODS:
             raise ValueError(f"--method must be one of {', '.join(AUDIT_METHODS)}")
+        for name in ("canaries", "blocks", "probes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"--{name} must be a whole number, got {value!r}")
         if self.canaries < 1 or self.blocks < 5:
             raise ValueError("--canaries must be ≥ 1 and --blocks ≥ 5 (a fifth picks a threshold)")
+        for name, most in (("canaries", MAX_CANARIES), ("blocks", MAX_BLOCKS)):
+            if getattr(self, name) > most:
+                raise ValueError(
+                    f"--{name} must be at most {most:,}, got {getattr(self, name):,}: the audit "
+                    f"holds every trial's scores in memory, and {most:,} already bounds ε̂ far "
+                    "tighter than the confidence allows; lower it"
+                )
+        check_seed(self.seed, "--seed")
         if not 0.0 < self.confidence < 1.0:
             raise ValueError(f"--confidence must lie in (0, 1), got {self.confidence}")
 
@@ -129,6 +149,59 @@ class AuditCost:
         return lines
 
 
+def _refuse_while_training(run_dir: Path) -> None:
+    """An audit writes into the run's report: refused while the run trains or resumes."""
+    from dpfy.jobs.checkpoint import RUNNING, read_status, running_elsewhere
+
+    status = read_status(run_dir) or {}
+    if status.get("status") == RUNNING and running_elsewhere(status):
+        raise ValueError(
+            f"{run_dir} is being trained by process {status.get('pid')} on "
+            f"{status.get('host')}; audit it once that run has stopped (its report would "
+            "replace the audit's)"
+        )
+
+
+def lock_for_audit(run_dir: Path, on_wait: Callable[[str], None] | None = None) -> AuditLock:
+    """Take the run directory's audit lock, waiting for an audit already under way.
+
+    Refused, with one line, where the directory cannot be written (an audit writes its results
+    there) or the run is training or resuming.
+    """
+    import fcntl
+
+    from dpfy._safe_io import write_failed
+
+    if not Path(run_dir).is_dir():
+        raise ValueError(f"{run_dir} is not a directory; pass a run directory of `dpfy train`")
+    _refuse_while_training(run_dir)
+    path = run_dir / AUDIT_LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as err:
+        raise ValueError(
+            f"cannot write to {run_dir} ({err.strerror or err}); an audit records its results "
+            "in the run directory: make it writable, or audit a writable copy"
+        ) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait(f"another audit of {run_dir} is under way; waiting for it to finish")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        _refuse_while_training(run_dir)  # a resume may have started while we waited
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+    except ValueError:
+        os.close(fd)
+        raise
+    except OSError as err:
+        os.close(fd)
+        raise write_failed(path, err) from None
+    return AuditLock(run_dir, fd)
+
+
 def default_blocks(facts: RunFacts) -> int:
     """``--blocks`` when not given: 200 trials of a step (or epoch), or 10 whole re-runs a side
     of a matrix-factorisation run (each as long as the run)."""
@@ -177,8 +250,10 @@ def behaviour_checks(run_dir: Path) -> BehaviourChecks | None:
 
 def _facts_json(path: Path) -> dict:
     """facts.json as plain JSON; {} when unreadable (RunFacts.load words that error)."""
+    from dpfy._safe_io import read_json
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path, "facts")
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -283,12 +358,17 @@ def record_audits(run_dir: Path, facts: RunFacts, outcomes: tuple[AuditOutcome, 
     the run's behaviour checks beside them. A ``behaviour_checks`` record in facts.json that
     the typed facts do not hold is kept there.
     """
+    from dpfy._safe_io import atomic_write_text
+    from dpfy.jobs.outcome import add_interrupted_banner
+
     results = tuple(outcome.result for outcome in outcomes)
+    facts = load_run(run_dir)  # under the audit lock: with what other audits recorded meanwhile
     updated = dataclasses.replace(facts, audits=(*facts.audits, *results))
     kept = _facts_json(run_dir / FACTS_FILE).get(CHECKS_KEY)
     write_report(updated, run_dir, plots=False)
     if kept is not None:
         _keep_checks(run_dir / FACTS_FILE, kept)
+    add_interrupted_banner(run_dir)  # a report of part of a run stays marked as such
     target = run_dir / AUDIT_FILE
     plots = _previous_plots(target)
     for index, outcome in enumerate(outcomes, start=len(facts.audits) + 1):
@@ -302,16 +382,18 @@ def record_audits(run_dir: Path, facts: RunFacts, outcomes: tuple[AuditOutcome, 
         **{key: section[key] for key in ("behaviour_checks", "behaviour_check_gaps")},
         "behaviour_statement": section["behaviour_statement"],
     }
-    target.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(target, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
     return target
 
 
 def _keep_checks(path: Path, checks: object) -> None:
     """Put the run's behaviour checks back into the facts just written, if they dropped them."""
+    from dpfy._safe_io import atomic_write_text
+
     data = json.loads(path.read_text(encoding="utf-8"))
     if CHECKS_KEY not in data:
         data[CHECKS_KEY] = checks
-        path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+        atomic_write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
 def _previous_plots(audit_file: Path) -> dict[str, dict[str, str]]:
@@ -325,6 +407,7 @@ def _previous_plots(audit_file: Path) -> dict[str, dict[str, str]]:
 
 __all__ = [
     "AUDIT_FILE",
+    "AUDIT_LOCK",
     "AUDIT_METHODS",
     "CHECKS_KEY",
     "DEFAULT_BLOCKS",
@@ -332,11 +415,14 @@ __all__ = [
     "PLOTS_DIR",
     "AuditConfig",
     "AuditCost",
+    "AuditLock",
     "AuditOutcome",
+    "audit_in_progress",
     "behaviour_checks",
     "default_blocks",
     "fitted_canaries",
     "load_run",
+    "lock_for_audit",
     "plan_cost",
     "record_audits",
     "run_audit",

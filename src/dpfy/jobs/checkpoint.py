@@ -251,12 +251,16 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
-def _alive(status: dict[str, Any]) -> bool:
-    """Whether the process a running status names still runs (on another host: assumed so)."""
+def running_elsewhere(status: dict[str, Any]) -> bool:
+    """Whether the process a running status names may still run: on another host it is assumed
+    so (``--force`` overrides that), on this one it is asked, and this process is not another."""
     if status.get("host") != socket.gethostname():
         return True
     try:
-        os.kill(int(status["pid"]), 0)
+        pid = int(status["pid"])
+        if pid == os.getpid():
+            return False
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, KeyError, TypeError, ValueError, OverflowError):
@@ -264,14 +268,45 @@ def _alive(status: dict[str, Any]) -> bool:
     return True
 
 
-def claim_for_resume(run_dir: Path) -> None:
+def _stale_hint(run_dir: Path) -> str:
+    """How to take over a run whose process is gone but looks alive (another host, reused PID)."""
+    return (
+        f"if that process is gone (it ran on another host, or its PID was reused), "
+        f"`dpfy train --resume {run_dir} --force` takes the run over"
+    )
+
+
+def force_takeover(run_dir: Path | None) -> None:
+    """``--resume RUN_DIR --force``: declare the process status.json names gone, so the run is
+    resumable again (status interrupted, the stale resume lock removed). Only a run marked
+    running is changed; its checkpoint, ledger and resume records are untouched, so a
+    checkpoint resumed before is still refused."""
+    if run_dir is None:
+        raise ValueError(
+            "--force goes with --resume RUN_DIR (it takes over a run whose process is gone); "
+            "drop --force, or add --resume"
+        )
+    status = read_status(run_dir)
+    if status is None or status.get("status") != RUNNING:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        (run_dir / _LOCK_FILE).unlink()
+    write_status(run_dir, INTERRUPTED, int(status.get("steps_taken", 0) or 0),
+                 int(status.get("planned_steps", 0) or 0))  # fmt: skip
+
+
+def claim_for_resume(run_dir: Path) -> dict[str, Any] | None:
     """Take over ``run_dir`` to resume it: refused while another process trains or resumes it.
 
     The check and the new running status (naming this process) happen under an exclusive lock
     file, so of two resumes of one directory started together exactly one proceeds; the other
     then finds the run running in a live process and is refused. A checkpoint that was resumed
-    before (:func:`load_checkpoint` records it) is refused here, with nothing changed.
+    before (:func:`load_checkpoint` records it) is refused here, with nothing changed, and so
+    is a run an audit is writing to. Returns the status it replaced, which a resume that fails
+    before its first step puts back (:func:`restore_status`).
     """
+    from dpfy.jobs.run_lock import audit_in_progress
+
     if not (run_dir / CHECKPOINT_FILE).is_file():
         if not run_dir.is_dir():
             raise ValueError(f"--resume {run_dir} is not a directory; pass a run directory")
@@ -281,8 +316,8 @@ def claim_for_resume(run_dir: Path) -> None:
         fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise ValueError(
-            f"{run_dir} is being taken over by another resume ({_LOCK_FILE} exists); wait, or "
-            "delete that file if that process died"
+            f"{run_dir} is being taken over by another resume ({_LOCK_FILE} exists); wait, "
+            f"or, {_stale_hint(run_dir)}"
         ) from None
     except OSError as err:
         raise ValueError(
@@ -293,10 +328,17 @@ def claim_for_resume(run_dir: Path) -> None:
         status = read_status(run_dir) or {}
         if status.get("status") == FINISHED:
             raise ValueError(f"{run_dir} holds a finished run; there is nothing to resume")
-        if status.get("status") == RUNNING and _alive(status):
+        if status.get("status") == RUNNING and running_elsewhere(status):
             raise ValueError(
                 f"{run_dir} is being trained by process {status.get('pid')} on "
-                f"{status.get('host')}; stop it first (Ctrl-C leaves a checkpoint), then resume"
+                f"{status.get('host')}; stop it first (Ctrl-C or SIGTERM leaves a checkpoint), "
+                f"then resume; {_stale_hint(run_dir)}"
+            )
+        auditor = audit_in_progress(run_dir)
+        if auditor is not None:
+            raise ValueError(
+                f"{run_dir} is being audited by {auditor}; resume once the audit has finished "
+                "(it writes the run's report)"
             )
         path = run_dir / CHECKPOINT_FILE
         record = _resumed(run_dir, _digest(_read(path, run_dir, mmap=True), path))
@@ -304,6 +346,7 @@ def claim_for_resume(run_dir: Path) -> None:
             raise ValueError(_already_resumed(run_dir, record))
         write_status(run_dir, RUNNING, int(status.get("steps_taken", 0) or 0),
                      int(status.get("planned_steps", 0) or 0))  # fmt: skip
+        return status or None
     finally:
         with contextlib.suppress(OSError):
             lock.unlink()

@@ -83,6 +83,10 @@ def accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 1024) -> f
     return correct / len(data)
 
 
+#: The signals that stop a run at a step boundary, as Ctrl-C does.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class TrainingStopped(Exception):
     """Ctrl-C stopped training; ``at_step_boundary`` says whether the state in memory is whole."""
 
@@ -101,7 +105,7 @@ class StopRequest:
 
 @contextlib.contextmanager
 def deferred_interrupts(enabled: bool = True) -> Iterator[StopRequest]:
-    """Turn the first Ctrl-C into a stop request the loop honours between steps.
+    """Turn the first Ctrl-C (or SIGTERM) into a stop request the loop honours between steps.
 
     Only the main thread can own SIGINT, and under torchrun every rank gets the signal at its
     own moment, so ranks could stop at different steps: there (``enabled=False``) Ctrl-C keeps
@@ -117,11 +121,14 @@ def deferred_interrupts(enabled: bool = True) -> Iterator[StopRequest]:
             raise KeyboardInterrupt
         stop.requested = True
 
-    previous = signal.signal(signal.SIGINT, request_stop)
+    # SIGTERM (what `kill`, a scheduler or a container stop sends) is a Ctrl-C: the run stops at
+    # a step boundary with its checkpoint, its report and status "interrupted".
+    previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _progress(console: Console) -> Progress:

@@ -9,7 +9,7 @@ interrupted and naming the command that continues it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,7 @@ from dpfy.jobs.checkpoint import (
     JobState,
     checkpoint_consumed,
     mark_failed,
+    read_status,
     remove_checkpoint,
     save_checkpoint,
     write_status,
@@ -73,6 +74,38 @@ class Interrupted(Exception):
         return self.run_dir / "report.md"
 
 
+def interrupted_banner(run_dir: Path, steps: int, planned: int, resumable: bool) -> str:
+    """The first line of an interrupted run's report: it covers only what was spent so far."""
+    resume = f"`dpfy train --resume {run_dir}` continues the run"
+    then = (
+        f"{resume}, and its final report covers all steps."
+        if resumable
+        else f"The run {NOT_RESUMABLE}."
+    )
+    return (
+        f"> **Interrupted** after {steps} of {planned} planned steps: this report covers only "
+        f"what was spent so far. {then}\n\n"
+    )
+
+
+def add_interrupted_banner(run_dir: Path) -> None:
+    """Put the interrupted banner on top of ``report.md`` when status.json says the run is
+    interrupted (after the report was written or re-rendered, e.g. by an audit): a report of
+    part of a run never reads as the final model's."""
+    status = read_status(run_dir) or {}
+    report = run_dir / "report.md"
+    if status.get("status") != INTERRUPTED or not report.is_file():
+        return
+    text = report.read_text(encoding="utf-8")
+    if text.startswith("> **Interrupted**"):
+        return
+    banner = interrupted_banner(
+        run_dir, int(status.get("steps_taken", 0) or 0), int(status.get("planned_steps", 0) or 0),
+        "resume" in status,
+    )  # fmt: skip
+    atomic_write_text(report, banner + text)
+
+
 def failed(run_dir: Path, err: BaseException, private: PrivateTraining) -> None:
     """The run stopped on an error: status "failed" naming it; everything written is kept (the
     last periodic checkpoint included)."""
@@ -120,10 +153,29 @@ def _facts(
     )
 
 
+def _earlier_audits(run_dir: Path) -> tuple[Any, ...]:
+    """The audits an earlier report of this run recorded (an audit of it while interrupted):
+    they audited the same private step, so the report of the resumed run keeps them."""
+    from dpfy._safe_io import read_json
+    from dpfy.audit.result import AuditResult
+
+    try:
+        document = read_json(run_dir / "facts.json", "facts")
+        return tuple(AuditResult.from_dict(a) for a in document.get("audits") or ())
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return ()
+
+
 def _write_report(run_dir: Path, facts: RunFacts, job: JobState) -> None:
     """history.json (train metrics labelled not private), facts, report card and plots."""
+    import dataclasses
+
     from dpfy.report.history import write_history
     from dpfy.report.render import write_report
+
+    earlier = _earlier_audits(run_dir)
+    if earlier and not facts.audits:
+        facts = dataclasses.replace(facts, audits=earlier)
 
     write_history(run_dir / "history.json", job.history)  # train metrics labelled not private
     write_report(facts, run_dir, history=job.history)
@@ -176,19 +228,8 @@ def interrupted(
     shown = accuracy(private.model, data.test) if stopped.at_step_boundary else None
     facts = _facts(private, config, data, split, job, shown, None)
     _write_report(run_dir, facts, job)
-    report = run_dir / "report.md"
-    resume = f"`dpfy train --resume {run_dir}` continues the run"
-    then = (
-        f"{resume}, and its final report covers all steps."
-        if resumable
-        else f"The run {NOT_RESUMABLE}."
-    )
-    atomic_write_text(
-        report,
-        f"> **Interrupted** after {steps} of {planned} planned steps: this report covers only "
-        f"what was spent so far. {then}\n\n" + report.read_text(encoding="utf-8"),
-    )
     write_status(run_dir, INTERRUPTED, steps, planned, resumable=resumable)
+    add_interrupted_banner(run_dir)
     return Interrupted(
         run_dir, steps, planned, private.epsilon(), private.plan.delta, stopped.at_step_boundary,
         resumable,

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from rich.console import Console
@@ -32,6 +32,7 @@ from dpfy.jobs.checkpoint import (
     JobState,
     claim_for_resume,
     load_checkpoint,
+    restore_status,
     save_checkpoint,
 )
 from dpfy.jobs.config import TrainConfig, check_config, public_seed
@@ -194,8 +195,8 @@ def _run_training(config: TrainConfig, console: Console | None, resume: Path | N
     if replicas.world_size > 1 and config.unit == "user":
         raise ValueError("--unit user trains in one process; launch it without torchrun")
     if resume is not None:
-        replicas.on_writer(lambda: claim_for_resume(resume))
-        return _train_into(resume, config, console, replicas, resuming=True)
+        previous = replicas.on_writer(lambda: claim_for_resume(resume))
+        return _train_into(resume, config, console, replicas, resuming=True, previous=previous)
     run_dir = replicas.on_writer(lambda: claim_run_dir(config.out, default_run_dir(config)))
     try:
         return _train_into(run_dir, config, console, replicas, resuming=False)
@@ -237,14 +238,24 @@ def _train_into(
     replicas: SingleProcess | ProcessGroupReplicas,
     *,
     resuming: bool,
+    previous: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """Load, train, evaluate and (on the writer) fill the claimed ``run_dir``."""
+    """Load, train, evaluate and (on the writer) fill the claimed ``run_dir``.
+
+    A resume that fails before its first step (its data, its checkpoint) puts back the status it
+    found (``previous``): the run stays interrupted, never "running" in a process that ended.
+    """
     from dpfy.jobs import outcome
 
     started = time.perf_counter()
-    data = load_run_data(config)
-    private, split = _make_run(config, data)
-    job = load_checkpoint(private, run_dir) if resuming else JobState()
+    try:
+        data = load_run_data(config)
+        private, split = _make_run(config, data)
+        job = load_checkpoint(private, run_dir) if resuming else JobState()
+    except BaseException:
+        if resuming and replicas.is_writer:
+            restore_status(run_dir, previous)
+        raise
     resumed_at = private.ledger.steps if resuming else None
     console.print(banner(config, data, private), soft_wrap=True)
     if resuming:
