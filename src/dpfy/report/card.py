@@ -83,17 +83,40 @@ from dpfy.report.wording import wording_for
 REPORT_FORMAT = "dpfy.report.render"
 REPORT_VERSION = 2
 
-#: Every section in the order of the guide's §5.3.3 list, then pitfalls, the run, its results.
-SECTIONS: dict[str, Section] = {
-    spec.key: spec
-    for spec in (
+#: Sections rendered as a subsection of the numbered section before them (Markdown ``###``):
+#: the ε table belongs to §7, the privacy budget.
+SUBSECTIONS = frozenset({"epsilon_table"})
+
+
+def _numbered(spec: Section) -> bool:
+    """Whether the section is an item of the guide's §5.3.3 list ("7. Privacy budget …")."""
+    return spec.title.split(".", 1)[0].isdigit()
+
+
+def _in_reading_order(specs: tuple[Section, ...]) -> dict[str, Section]:
+    """The §5.3.3 items 1, 2, … without a gap (each with its subsections), then every other
+    section in its own order: no unnumbered section falls between two numbered ones."""
+    ordered: list[Section] = []
+    others: list[Section] = []
+    for spec in specs:
+        if _numbered(spec) or (spec.key in SUBSECTIONS and ordered and _numbered(ordered[-1])):
+            ordered.append(spec)
+        else:
+            others.append(spec)
+    return {spec.key: spec for spec in (*ordered, *others)}
+
+
+#: Every section in the order of the guide's §5.3.3 list, then the audit, the behaviour checks,
+#: pitfalls, the run and its results.
+SECTIONS: dict[str, Section] = _in_reading_order(
+    (
         *setting_sections.SECTIONS,
         *accounting_sections.SECTIONS,
         *audit_sections.SECTIONS,
         *behaviour_sections.SECTIONS,
         *run_sections.SECTIONS,
     )
-}
+)
 
 
 def _headline(facts: RunFacts, findings: tuple[Finding, ...]) -> str:
@@ -150,7 +173,8 @@ class ReportCard:
         lines = [f"# {self.title}", "", self.headline]
         for key, value in self.sections.items():
             spec = SECTIONS[key]
-            lines += ["", f"## {spec.title}", "", *spec.render(value)]
+            level = "###" if key in SUBSECTIONS else "##"
+            lines += ["", f"{level} {spec.title}", "", *spec.render(value)]
         return "\n".join(lines) + "\n"
 
 

@@ -42,16 +42,18 @@ FORMATS: dict[str, Callable[[ReportCard], str]] = {
 }
 
 
-def step_axis(facts: RunFacts) -> str:
-    """What one step of the run is called on a plot's axis: the variant's own word ("gradient
-    steps", "rounds" for DP-FedAvg), so a federated plot does not count rounds as steps."""
+def step_axis(facts: RunFacts) -> str | None:
+    """What one step of the run is called on a plot's axis when it is not a gradient step: the
+    variant's own word ("rounds" for DP-FedAvg), so a federated plot does not count rounds as
+    steps; None for gradient steps (the plots' default axis)."""
     from dpfy.plan.variants import variant_for
 
     try:
         steps = variant_for(facts.privacy.algorithm, facts.privacy.unit).text.steps
     except ValueError:
-        return "training steps"
-    return steps.removeprefix("noised ")
+        return None
+    word = steps.removeprefix("noised ")
+    return None if word.endswith("gradient steps") else word
 
 
 def render(facts: RunFacts, fmt: str = "md") -> str:
@@ -113,14 +115,13 @@ def write_report(
             plot_epsilon_curve(facts, written["epsilon_plot"])
         if history:
             axis = step_axis(facts)
+            named = {} if axis is None else {"step_name": axis}
             written["training_plot"] = target / TRAINING_PLOT
-            plot_training_curves(
-                history, written["training_plot"], private_curves=False, step_name=axis
-            )
+            plot_training_curves(history, written["training_plot"], private_curves=False, **named)
             written["diagnostics_plot"] = target / DIAGNOSTICS_PLOT
             baseline = facts.results.baseline_accuracy
             plot_training_curves(
-                history, written["diagnostics_plot"], baseline_accuracy=baseline, step_name=axis
+                history, written["diagnostics_plot"], baseline_accuracy=baseline, **named
             )
     return written
 

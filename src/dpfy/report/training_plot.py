@@ -23,6 +23,8 @@ from dpfy.report.history import NOT_PRIVATE_TAG, is_released, series_label
 from dpfy.report.plots import save_png
 
 BASELINE_LABEL = "non-private baseline"
+#: The x axis of a run whose steps are gradient steps; a federated run's are "rounds".
+STEPS = "training steps"
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def training_figure(
     *,
     baseline_accuracy: float | None = None,
     private_curves: bool = True,
-    step_name: str = "training steps",
+    step_name: str = STEPS,
 ) -> tuple[Figure, TrainingCurves]:
     """Loss and accuracy (ε on a secondary axis, the baseline as a line) against steps.
 
@@ -132,7 +134,7 @@ def plot_training_curves(
     *,
     baseline_accuracy: float | None = None,
     private_curves: bool = True,
-    step_name: str = "training steps",
+    step_name: str = STEPS,
 ) -> TrainingCurves:
     """Write :func:`training_figure` as a PNG to ``path``; return what was drawn."""
     figure, curves = training_figure(
@@ -209,4 +211,4 @@ def _epoch_axis(axes: Any, history: Sequence[Mapping[str, Any]]) -> None:
     top.set_xlabel("epochs")
 
 
-__all__ = ["BASELINE_LABEL", "TrainingCurves", "plot_training_curves", "training_figure"]
+__all__ = ["BASELINE_LABEL", "STEPS", "TrainingCurves", "plot_training_curves", "training_figure"]
