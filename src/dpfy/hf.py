@@ -22,8 +22,6 @@ ledger: save and resume the private run with ``trainer.private.save`` / ``load``
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,35 +29,12 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from dpfy.data.batches import batch_length, slice_batch
+from dpfy.data.batches import batch_length
 from dpfy.train.builder import make_private
 from dpfy.train.session import PrivateTraining
+from dpfy.train.virtual import AccumulationPieces
 
 __all__ = ["AccumulationPieces", "DPTrainer"]
-
-
-class AccumulationPieces:
-    """Each private batch cut into ``pieces`` consecutive parts (some may be empty).
-
-    The Trainer counts one optimizer step per ``gradient_accumulation_steps`` batches it draws,
-    so every logical batch yields exactly that many pieces, whatever its Poisson size.
-    """
-
-    def __init__(self, loader: Any, pieces: int) -> None:
-        self.loader = loader
-        self.pieces = pieces
-
-    def __len__(self) -> int:
-        """Pieces in one pass: the loader's batches times the pieces of each."""
-        return len(self.loader) * self.pieces
-
-    def __iter__(self) -> Iterator[Any]:
-        """The pieces of each batch, in order."""
-        for batch in self.loader:
-            size = batch_length(batch)
-            cuts = [size * i // self.pieces for i in range(self.pieces + 1)]
-            for start, stop in itertools.pairwise(cuts):
-                yield slice_batch(batch, start, stop)
 
 
 class DPTrainer(Trainer):

@@ -9,6 +9,7 @@ as a whole, so the batch is ordered by unit and cut only between units.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,13 @@ from dpfy.data.batches import batch_length, slice_batch, take_batch
 from dpfy.data.loader import DPDataLoader
 from dpfy.train.optim import BatchBoundary
 
-__all__ = ["VirtualBatchLoader", "batch_length", "chunk_bounds", "slice_batch"]
+__all__ = [
+    "AccumulationPieces",
+    "VirtualBatchLoader",
+    "batch_length",
+    "chunk_bounds",
+    "slice_batch",
+]
 
 
 def chunk_bounds(units: torch.Tensor | None, examples: int, size: int) -> list[tuple[int, int]]:
@@ -77,3 +84,31 @@ class VirtualBatchLoader:
     def __getattr__(self, name: str) -> Any:
         """Everything else (sampling_rate, state_dict, …) is the logical loader's."""
         return getattr(self.loader, name)
+
+
+class AccumulationPieces:
+    """Each private batch cut into ``pieces`` consecutive parts (some may be empty).
+
+    For a trainer that counts one optimizer step per ``pieces`` batches it draws (Hugging Face's
+    ``gradient_accumulation_steps``, Lightning's ``accumulate_grad_batches``): every logical
+    batch yields exactly that many pieces, whatever its Poisson size. The trainer calls
+    ``optimizer.accumulate()`` after each piece's backward pass and ``optimizer.step()`` once
+    (:mod:`dpfy.train.accumulation`); clipping units of several examples are not supported here
+    (the optimizer refuses a microbatch- or user-clipped batch cut this way).
+    """
+
+    def __init__(self, loader: Any, pieces: int) -> None:
+        self.loader = loader
+        self.pieces = check_count("pieces", pieces, minimum=1)
+
+    def __len__(self) -> int:
+        """Pieces in one pass: the loader's batches times the pieces of each."""
+        return len(self.loader) * self.pieces
+
+    def __iter__(self) -> Iterator[Any]:
+        """The pieces of each batch, in order."""
+        for batch in self.loader:
+            size = batch_length(batch)
+            cuts = [size * i // self.pieces for i in range(self.pieces + 1)]
+            for start, stop in itertools.pairwise(cuts):
+                yield slice_batch(batch, start, stop)
