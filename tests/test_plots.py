@@ -187,6 +187,7 @@ def test_a_history_without_loss_has_no_empty_panel_and_rounds_are_called_rounds(
     figure, _ = training_figure(history, step_name="rounds")
     panels = [axes for axes in figure.axes if axes.get_xlabel()]
     assert len(panels) == 1 and panels[0].get_xlabel() == "rounds"
+    assert figure.get_suptitle() == "Private training: accuracy against rounds"
     assert not any("no " in text.get_text() for a in figure.axes for text in a.texts)
     federated = SimpleNamespace(privacy=SimpleNamespace(algorithm="dp-fedavg", unit="user"))
     central = SimpleNamespace(privacy=SimpleNamespace(algorithm="dp-sgd", unit="example"))

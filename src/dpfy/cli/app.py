@@ -505,8 +505,17 @@ def train(
         SamplerChoice | None,
         typer.Option(
             help="How batches are drawn, where the algorithm offers a choice: dp-sgd poisson "
-            "(default), shuffle or fixed-size; dp-ftrl shuffle (default) or fixed-order; bandmf "
-            "fixed-order (default) or cyclic-poisson (amplified BandMF); blt fixed-order."
+            "(default), truncated-poisson (static batch shape, needs --max-batch-size), "
+            "balls-in-bins (one Gaussian per epoch), shuffle (NOT Poisson: ε unproven, the card "
+            "gives a lower bound) or fixed-size; dp-ftrl shuffle (default) or fixed-order; "
+            "bandmf fixed-order (default) or cyclic-poisson (amplified BandMF); blt fixed-order."
+        ),
+    ] = None,
+    max_batch_size: Annotated[
+        int | None,
+        typer.Option(
+            help="--sampler truncated-poisson: M, the rows of every padded batch (a batch of "
+            "more than M examples keeps M; the chance of that is charged in δ)."
         ),
     ] = None,
     bands: Annotated[
@@ -636,11 +645,13 @@ def report(
     ] = False,
 ) -> None:
     """Re-render a run's privacy report card (or its diagnostics) from the facts it saved."""
+    from dpfy._safe_io import read_json
     from dpfy.report.render import render_run
 
     with _user_errors():
         if not (run_dir / "facts.json").exists():
             raise ValueError(_no_facts(run_dir))
+        read_json(run_dir / "facts.json", "facts")  # bounded, regular file: a FIFO never hangs
         shown = ReportFormat.json if as_json else format
         typer.echo(render_run(run_dir, shown.value, diagnostics=diagnostics))
 
@@ -822,7 +833,7 @@ def _run_document(result: Any, **extra: object) -> dict[str, object]:
         for key, value in vars(result).items()
         if isinstance(value, (int, float, str, type(None))) and not isinstance(value, bool)
     }
-    written = sorted(p for p in run_dir.iterdir() if p.is_file())
+    written = sorted(p for p in run_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     return {
         "status": "finished",
         "run_dir": str(run_dir),

@@ -108,22 +108,32 @@ def training_figure(
     _epoch_axis(loss_axes, history)
     acc_axes.set_xlabel(step_name)
     _legend(figure)
-    figure.suptitle(_title(private_curves, keys, series, baseline_accuracy), fontsize=10)
+    title = _title(private_curves, keys, series, baseline_accuracy, step_name)
+    figure.suptitle(title, fontsize=10)
     steps_drawn = tuple(int(row["step"]) for row in history)
     return figure, TrainingCurves(steps_drawn, series, labels, baseline_accuracy)
 
 
 def _title(
-    private_curves: bool, keys: Sequence[str], series: dict[str, Any], baseline: float | None
+    private_curves: bool,
+    keys: Sequence[str],
+    series: dict[str, Any],
+    baseline: float | None,
+    step_name: str = STEPS,
 ) -> str:
     """What the figure shows; a diagnostics figure with private curves says not to publish it."""
+    against = f"against {step_name.removeprefix('training ')}"
     if not private_curves:
-        return "Private training: released test metrics and ε against steps"
-    private = any(not is_released(k) and series[k] for k in keys) or baseline is not None
+        return f"Private training: released test metrics and ε {against}"
+    drawn = [k for k in keys if series[k]]
+    shown = (
+        " and ".join(name for name in ("loss", "accuracy") if any(name in k for k in drawn)) or "ε"
+    )
+    private = any(not is_released(k) for k in drawn) or baseline is not None
     if not private:
-        return "Private training: loss and accuracy against steps"
+        return f"Private training: {shown} {against}"
     return (
-        "Diagnostics, NOT FOR PUBLICATION: loss and accuracy against steps\n"
+        f"Diagnostics, NOT FOR PUBLICATION: {shown} {against}\n"
         f"curves marked ({NOT_PRIVATE_TAG}) and any baseline are outside the DP guarantee"
     )
 
