@@ -201,6 +201,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not closes:
             return
         sampling = self._guarded(self.mechanism.sampling, self.sampling, batch)
+        sampling = self._guarded(sampling.at_epoch_position, batch.epoch_position)
         sigma = self.plan.noise_multiplier
         charged = self._guarded(self.mechanism.step_event, sampling, batch, sigma)
         record = StepRecord(sampling, sigma, batch_size=self.engine.num_examples, charged=charged)
@@ -311,12 +312,16 @@ class DPOptimizer(torch.optim.Optimizer):
         ``noise``: on the last physical batch, the parameters whose noise is filled in now.
         ``scale`` multiplies each clipped unit before it is summed (``step`` passes 1/B).
         """
+        padding = batch.padding
+        if padding is not None and self.boundary.chunk is not None:
+            padding = padding.chunk(*self.boundary.chunk)
         return self.engine.clip_and_accumulate(
             self.plan.max_grad_norm,
             self.plan.loss_reduction,  # type: ignore[arg-type]
             groups=self._units(batch),
             noise=noise,
             scale=scale,
+            padding=padding,  # a static-shape batch's padding rows weigh exactly 0
         )
 
     def _write_private_grads(self) -> None:
@@ -329,6 +334,15 @@ class DPOptimizer(torch.optim.Optimizer):
         noisy = self.aggregator.combine(self.aggregation.release(summed))
         for name, total in noisy.items():
             self.engine.params[name].grad = total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients and what the layers captured since the last clip.
+
+        ``zero_grad`` means "forget the gradients computed so far": a stray backward pass
+        (a validation loss) followed by it leaves nothing the next step could mix in.
+        """
+        self.engine.discard_captures()
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state (ledger, noise and mechanism are saved by the session)."""
