@@ -467,6 +467,7 @@ def test_json_keys_are_the_documented_schema(poisson):
         "assumptions_met",
         "under_poisson_assumption",
         "proven_total",
+        "lower_bound",
         "statement",
     }
 

@@ -22,6 +22,7 @@ from dpfy.data.batches import batch_length, holds_batches
 from dpfy.data.check_schedule import CheckSchedule
 from dpfy.data.collate_probe import Collated, ProbingCollate
 from dpfy.data.microbatches import MicrobatchSlots
+from dpfy.data.padding import Padding
 from dpfy.data.provenance import Provenance
 from dpfy.data.randomness import SecureSource, TorchSource
 from dpfy.data.sampling import DpBatchSampler, check_batch_size, epoch_length, make_sampler
@@ -45,6 +46,8 @@ class DPDataLoader(DataLoader):
     Without either the stream is unbounded (whoever steps on it accounts each step).
     ``microbatch_size=k`` draws each example's microbatch independently
     (:mod:`dpfy.data.microbatches`) and publishes it with the batch, for microbatch clipping.
+    ``sampler="truncated-poisson"`` with ``max_batch_size=M`` yields every batch with exactly M
+    rows, its padding rows marked (:mod:`dpfy.data.padding`).
     ``generator`` drives the sampler; ``worker_generator`` is torch's DataLoader ``generator``,
     which seeds worker processes (e.g. their augmentations) and never decides a batch.
     """
@@ -63,6 +66,7 @@ class DPDataLoader(DataLoader):
         microbatch_size: int | None = None,
         worker_generator: torch.Generator | None = None,
         behaviour_checks: CheckSchedule | None = None,
+        max_batch_size: int | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         dataset_size = dataset_size_of(dataset)
@@ -76,8 +80,9 @@ class DPDataLoader(DataLoader):
             batch_sampler = _own_sampler(sampler, dataset_size, total)
         else:
             batch_sampler = make_sampler(
-                sampler, dataset_size, batch_size, per_epoch, generator, secure=secure, total=total
-            )
+                sampler, dataset_size, batch_size, per_epoch, generator, secure=secure,
+                total=total, max_batch_size=max_batch_size,
+            )  # fmt: skip
         collate = collate_fn if collate_fn is not None else default_collate
         self.check_schedule = behaviour_checks if behaviour_checks is not None else CheckSchedule()
         super().__init__(
@@ -161,9 +166,17 @@ class DPDataLoader(DataLoader):
         """Tell the run which batch is in hand (size, clipping units, place in its epoch)."""
         batch = collated.batch
         size = batch_length(batch)
+        padding = self.dp_sampler.padding(self._consumed)
+        if padding is not None:  # a static-shape batch: its examples are its first rows
+            if size != padding.rows:
+                raise ValueError(
+                    f"the sampler drew {padding.rows} rows but collate_fn returned {size}; a "
+                    "padded batch needs a collate_fn that keeps one row per index"
+                )
+            size = padding.real
         units = None if self.microbatches is None else self.microbatches.draw(size)
         unit = "example" if units is None else "microbatch"
-        self._announce(size, units, unit, collated.verdict)
+        self._announce(size, units, unit, collated.verdict, padding)
         return batch
 
     def _announce(
@@ -172,10 +185,11 @@ class DPDataLoader(DataLoader):
         units: torch.Tensor | None,
         unit: str,
         collate_probe: tuple[str, str] | None = None,
+        padding: Padding | None = None,
     ) -> None:
         """Publish one batch handed out, with its place in the epoch as the sampler cut it."""
         position = self.dp_sampler.epoch_position(self._consumed)
-        self.provenance.publish(size, units, position, unit, collate_probe)
+        self.provenance.publish(size, units, position, unit, collate_probe, padding)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler state as of the batches stepped on (not those prefetched by workers).

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dpfy._validate import check_count
+from dpfy.data.padding import Padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,8 @@ class DrawnBatch:
     ``unit`` names what ``units`` holds ("example": nothing, "microbatch" or "user"), so that
     an optimizer never clips units it does not account for. ``epoch_position`` is the batch's
     0-based place in its epoch for samplers that take epochs in order (DP-FTRL's trees follow
-    it), else None.
+    it), else None. ``padding`` marks a static-shape batch's padding rows (truncated Poisson):
+    ``size`` then counts its examples, and ``padding.rows`` its rows.
     """
 
     number: int
@@ -40,6 +42,7 @@ class DrawnBatch:
     #: Its collate probe's verdict, (status, detail) (:mod:`dpfy.data.collate_probe`; None:
     #: not probed).
     collate_probe: tuple[str, str] | None = None
+    padding: Padding | None = None
 
 
 class BatchRefused(ValueError):
@@ -67,9 +70,12 @@ class Provenance:
         epoch_position: int | None = None,
         unit: str = "example",
         collate_probe: tuple[str, str] | None = None,
+        padding: Padding | None = None,
     ) -> DrawnBatch:
         """The loader hands out a new batch: it becomes the only one a step may use."""
-        self.current = DrawnBatch(self.drawn, size, units, epoch_position, unit, collate_probe)
+        self.current = DrawnBatch(
+            self.drawn, size, units, epoch_position, unit, collate_probe, padding
+        )
         self.drawn += 1
         return self.current
 

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import Sampler
 
 from dpfy._validate import check_count, check_sampling_rate
+from dpfy.data.padding import PAD_INDEX, Padding
 from dpfy.data.randomness import RandomSource, make_source
 from dpfy.plan.accounting.events import DpEvent
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
@@ -80,6 +81,10 @@ class DpBatchSampler(Sampler[list[int]], abc.ABC):
 
     def epoch_position(self, position: int) -> int | None:
         """The place (0-based) in its epoch of the pass's batch ``position`` (None: no epochs)."""
+        return None
+
+    def padding(self, position: int) -> Padding | None:
+        """Which rows of batch ``position`` are examples, for samplers that pad (else None)."""
         return None
 
     @property
@@ -282,6 +287,69 @@ class PoissonSampler(DpBatchSampler):
         return self._source.bernoulli_indices(self.dataset_size, self._sampling_rate)
 
 
+class TruncatedPoissonSampler(PoissonSampler):
+    """Poisson at rate q, cut to at most M indices and padded to exactly M (static shapes).
+
+    Each step draws a Poisson sample; a sample of more than M keeps M of them uniformly at
+    random (so which examples are dropped is independent of the data); the batch is then padded
+    with copies of ``dataset[PAD_INDEX]`` up to M rows, the examples first. :meth:`padding`
+    says how many rows of each batch are examples, and the private step gives every padding row
+    a weight of exactly 0 (:mod:`dpfy.data.padding`). Accounted as Poisson at q with the chance
+    of a cut charged in δ (:mod:`dpfy.plan.accounting.truncation`).
+    """
+
+    kind = SamplingKind.TRUNCATED_POISSON
+
+    def __init__(
+        self,
+        dataset_size: int,
+        sampling_rate: float,
+        max_batch_size: int,
+        steps: int | Fraction,
+        generator: torch.Generator | None = None,
+        *,
+        secure: bool = False,
+        total: int | None = None,
+    ) -> None:
+        self.max_batch_size = check_batch_size(dataset_size, max_batch_size)
+        self._real = 0  # examples in the batch drawn last
+        super().__init__(dataset_size, sampling_rate, steps, generator, secure=secure, total=total)
+
+    @property
+    def record(self) -> SamplingRecord:
+        """Truncated Poisson at rate q, cap M: the accounting assumption is met."""
+        return SamplingRecord(
+            SamplingKind.TRUNCATED_POISSON,
+            self._sampling_rate,
+            self.dataset_size,
+            self.max_batch_size,
+        )
+
+    def padding(self, position: int) -> Padding:
+        """The examples of batch ``position`` (the first rows) and its M rows."""
+        return Padding(self.max_batch_size, int(self._snapshot_at(position)["real"]))
+
+    def _draw(self) -> torch.Tensor:
+        drawn = self._source.bernoulli_indices(self.dataset_size, self._sampling_rate)
+        if drawn.numel() > self.max_batch_size:  # keep M of them, chosen independently of data
+            drawn = drawn[self._source.choice(int(drawn.numel()), self.max_batch_size)]
+        self._real = int(drawn.numel())
+        pad = torch.full((self.max_batch_size - self._real,), PAD_INDEX, dtype=drawn.dtype)
+        return torch.cat([drawn, pad])
+
+    def _identity(self) -> dict[str, Any]:
+        return {**super()._identity(), "max_batch_size": self.max_batch_size}
+
+    def _context(self) -> dict[str, Any]:
+        return {"real": self._real}
+
+    def _restore_context(self, state: dict[str, Any]) -> None:
+        real = check_count("real", state["real"])
+        if real > self.max_batch_size:
+            raise ValueError(f"{real} examples exceed the cap of {self.max_batch_size}")
+        self._real = real
+
+
 class FixedSizeSampler(DpBatchSampler):
     """Each step, ``batch_size`` distinct indices drawn uniformly without replacement.
 
@@ -389,6 +457,91 @@ class ShuffleSampler(DpBatchSampler):
         self._permutation, self._offset = permutation, offset
 
 
+class BallsInBinsSampler(DpBatchSampler):
+    """Each epoch, every example goes to one of the epoch's k = N // B batches, uniformly at
+    random and independently of the others (balls-in-bins, Chua et al., AISTATS 2025).
+
+    Batch sizes are Binomial(N, 1/k) (mean N/k ≈ B; an empty batch is yielded as ``[]``), and
+    each example is in exactly one batch per epoch. The assignment of a new epoch is drawn when
+    its first batch is. Accounted as one Gaussian per epoch, charged at its first step
+    (:meth:`~dpfy.plan.sampling.SamplingRecord.at_epoch_position`).
+    """
+
+    kind = SamplingKind.BALLS_IN_BINS
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        steps: int | Fraction | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        secure: bool = False,
+        total: int | None = None,
+    ) -> None:
+        self.batch_size = check_batch_size(dataset_size, batch_size)
+        self._order: torch.Tensor | None = None  # example indices sorted by their batch
+        self._bounds: torch.Tensor | None = None  # where each batch starts in _order (k + 1)
+        self._offset = 0  # batches already handed out from the current assignment
+        if steps is None:
+            steps = dataset_size // self.batch_size
+        super().__init__(dataset_size, steps, generator, secure=secure, total=total)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """k = N // B batches per epoch."""
+        return self.dataset_size // self.batch_size
+
+    def epoch_position(self, position: int) -> int:
+        """Read from the assignment's offset once that batch was cut (workers may draw ahead)."""
+        return int(self._snapshot_at(position)["offset"]) - 1
+
+    @property
+    def record(self) -> SamplingRecord:
+        """Balls-in-bins at B/N: one Gaussian per epoch, proven (no amplification claimed)."""
+        return SamplingRecord(
+            SamplingKind.BALLS_IN_BINS,
+            self.batch_size / self.dataset_size,
+            self.dataset_size,
+            self.batch_size,
+        )
+
+    def _draw(self) -> torch.Tensor:
+        if self._order is None or self._offset >= self.batches_per_epoch:
+            self._assign(self._source.integers(self.dataset_size, self.batches_per_epoch))
+            self._offset = 0
+        assert self._order is not None and self._bounds is not None
+        start, stop = int(self._bounds[self._offset]), int(self._bounds[self._offset + 1])
+        self._offset += 1
+        return self._order[start:stop]
+
+    def _assign(self, bins: torch.Tensor) -> None:
+        """Each example's batch (0..k-1) → the examples in batch order and the batch bounds."""
+        self._bins = bins
+        self._order = torch.argsort(bins, stable=True)
+        counts = torch.bincount(bins, minlength=self.batches_per_epoch)
+        self._bounds = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+
+    def _context(self) -> dict[str, Any]:
+        bins = None if self._order is None else self._bins
+        return {"bins": bins, "offset": self._offset}
+
+    def _restore_context(self, state: dict[str, Any]) -> None:
+        bins, offset = state["bins"], check_count("offset", state["offset"])
+        if offset > self.batches_per_epoch:
+            raise ValueError(f"offset {offset} exceeds {self.batches_per_epoch} batches per epoch")
+        if bins is None:
+            self._order = self._bounds = None
+        else:
+            if not isinstance(bins, torch.Tensor) or bins.shape != (self.dataset_size,):
+                raise ValueError(f"bins must be a tensor of {self.dataset_size} batch numbers")
+            bins = bins.to(torch.int64)
+            if bool((bins < 0).any()) or bool((bins >= self.batches_per_epoch).any()):
+                raise ValueError(f"bins must lie in 0..{self.batches_per_epoch - 1}")
+            self._assign(bins)
+        self._offset = offset
+
+
 def check_pass_length(steps: int | Fraction) -> int | Fraction:
     """A pass holds a whole or fractional number of steps, at least one."""
     if isinstance(steps, Fraction):
@@ -439,12 +592,56 @@ def make_sampler(
     *,
     secure: bool = False,
     total: int | None = None,
+    max_batch_size: int | None = None,
 ) -> DpBatchSampler:
-    """Build a sampler by kind name ('poisson', 'shuffle', 'fixed-size'); passes of ``steps``."""
+    """Build a sampler by kind name (those of :data:`SAMPLERS`); passes of ``steps``.
+
+    ``max_batch_size`` is truncated Poisson's cap M (required there, refused elsewhere).
+    """
     kind = SamplingKind.parse(kind)
-    if kind is SamplingKind.POISSON:
-        return PoissonSampler.from_batch_size(
-            dataset_size, batch_size, steps, generator, secure=secure, total=total
+    if kind not in SAMPLERS:
+        raise ValueError(
+            f"no batch sampler of kind {kind.value!r} here; choose one of "
+            f"{', '.join(k.value for k in SAMPLERS)}"
         )
-    cls = ShuffleSampler if kind is SamplingKind.SHUFFLE else FixedSizeSampler
-    return cls(dataset_size, batch_size, steps, generator, secure=secure, total=total)
+    if (kind is SamplingKind.TRUNCATED_POISSON) != (max_batch_size is not None):
+        raise ValueError(
+            "max_batch_size is truncated Poisson's cap: pass it with sampler='truncated-poisson' "
+            "and only then"
+        )
+    options = {} if max_batch_size is None else {"max_batch_size": max_batch_size}
+    return SAMPLERS[kind](
+        dataset_size, batch_size, steps, generator, secure=secure, total=total, **options
+    )
+
+
+def _truncated(
+    dataset_size: int,
+    batch_size: int,
+    steps: int | Fraction,
+    generator: torch.Generator | None = None,
+    *,
+    secure: bool = False,
+    total: int | None = None,
+    max_batch_size: int,
+) -> TruncatedPoissonSampler:
+    """Truncated Poisson at q = B/N, cut to and padded to ``max_batch_size``."""
+    return TruncatedPoissonSampler(
+        dataset_size,
+        sampling_rate_for(dataset_size, batch_size),
+        max_batch_size,
+        steps,
+        generator,
+        secure=secure,
+        total=total,
+    )
+
+
+#: The batch samplers by the kind of sampling they do (each built from N, B and passes).
+SAMPLERS: dict[SamplingKind, Any] = {
+    SamplingKind.POISSON: PoissonSampler.from_batch_size,
+    SamplingKind.TRUNCATED_POISSON: _truncated,
+    SamplingKind.SHUFFLE: ShuffleSampler,
+    SamplingKind.BALLS_IN_BINS: BallsInBinsSampler,
+    SamplingKind.FIXED_SIZE: FixedSizeSampler,
+}

@@ -38,7 +38,15 @@ UNIT_NAMES = ("example", "user")
 ALGORITHM_NAMES = trained_algorithms()
 
 #: ``--sampler`` names; which fit which algorithm is the variant's resolver's word.
-SAMPLER_NAMES = ("poisson", "shuffle", "fixed-size", "fixed-order", "cyclic-poisson")
+SAMPLER_NAMES = (
+    "poisson",
+    "truncated-poisson",
+    "balls-in-bins",
+    "shuffle",
+    "fixed-size",
+    "fixed-order",
+    "cyclic-poisson",
+)
 
 #: Where DP applies (guide §3.2): full training (DP-SGD), label-only or input-level DP; the
 #: names come from the access-model registry (:mod:`dpfy.jobs.access`).
@@ -98,6 +106,8 @@ class TrainConfig:
     #: poisson | shuffle | fixed-size, DP-FTRL shuffle | fixed-order, BandMF fixed-order |
     #: cyclic-poisson (amplified BandMF), BLT fixed-order. The variant's resolver checks it.
     sampler: str | None = None
+    #: ``--sampler truncated-poisson``: M, the rows of every padded batch.
+    max_batch_size: int | None = None
     #: BandMF's bands and BLT's buffers (None: the variant's default).
     bands: int | None = None
     buffers: int | None = None
@@ -154,7 +164,7 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(
             f"sampler must be one of {', '.join(SAMPLER_NAMES)}; got {config.sampler!r}"
         )
-    for name in ("bands", "buffers"):
+    for name in ("bands", "buffers", "max_batch_size"):
         if getattr(config, name) is not None:
             check_count(name, getattr(config, name), minimum=1)
     _check_access(config)

@@ -224,6 +224,7 @@ def _make_run(config: TrainConfig, data: LoadedDataset) -> tuple[PrivateTraining
         max_examples_per_user=None if split is None else config.max_examples_per_user,
         algorithm=config.algorithm,
         sampler=config.sampler,
+        max_batch_size=config.max_batch_size,
         bands=config.bands,
         buffers=config.buffers,
         criterion=nn.CrossEntropyLoss(),  # the loop calls private.criterion: the loss is probed

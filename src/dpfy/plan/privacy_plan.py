@@ -76,6 +76,8 @@ class PrivacyPlan:
     #: coefficients (1, c_1, …, c_{b−1}), or a BLT's decays then weights (θ_1..θ_d, ω_1..ω_d).
     #: None for the other mechanisms.
     strategy: tuple[float, ...] | None = None
+    #: Truncated Poisson sampling: M, the rows of every (padded) batch; None for the others.
+    max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         """Refuse a plan whose noise mechanism, sampling and relation do not fit together.
@@ -105,6 +107,12 @@ class PrivacyPlan:
                 "matrix-factorisation noise is accounted for batches in one order repeated "
                 "every epoch ('fixed-order-epochs') or, BandMF only, cyclic Poisson groups "
                 "('cyclic-poisson'), and those batches carry no event of their own without it"
+            )
+        truncated = self.sampler == SamplingKind.TRUNCATED_POISSON.value
+        if truncated != (self.max_batch_size is not None):
+            raise ValueError(
+                "max_batch_size belongs to sampler='truncated-poisson' (which needs it): give "
+                "both or neither"
             )
         if factorised:
             self._check_factorised()
@@ -185,7 +193,9 @@ class PrivacyPlan:
             kind,
             self.sampling_rate,
             self.dataset_size,
-            None if kind in POISSON_KINDS else self.expected_batch_size,
+            None
+            if kind in POISSON_KINDS
+            else self.max_batch_size or self.expected_batch_size,  # truncated Poisson: M
             unit=self.unit,
         )
 

@@ -11,7 +11,9 @@ This module is torch-free so a ledger can be loaded and reported without torch.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 
 from dpfy._validate import check_count, check_sampling_rate
@@ -22,6 +24,7 @@ from dpfy.plan.accounting.events import (
     NoOpEvent,
     PoissonSampledEvent,
     SelfComposedEvent,
+    TruncatedPoissonSampledEvent,
 )
 
 
@@ -29,7 +32,9 @@ class SamplingKind(enum.Enum):
     """How batches were drawn from the dataset."""
 
     POISSON = "poisson"
+    TRUNCATED_POISSON = "truncated-poisson"  # Poisson cut to M and padded to M rows
     SHUFFLE = "shuffle"
+    BALLS_IN_BINS = "balls-in-bins"  # each example in one uniformly random batch per epoch
     FIXED_SIZE = "fixed-size"
     TREE_SHUFFLE = "tree-shuffle"  # DP-FTRL: no sampling assumption
     TREE_FIXED_ORDER = "tree-fixed-order"
@@ -58,9 +63,23 @@ _DESCRIPTIONS = {
         "Poisson sampling: every example joins each batch independently with probability q "
         "(batch sizes vary; empty batches are steps too)."
     ),
+    SamplingKind.TRUNCATED_POISSON: (
+        "Truncated Poisson sampling: every example joins each batch independently with "
+        "probability q, a batch of more than M examples keeps M of them at random, and every "
+        "batch is padded to exactly M rows (padding rows are masked out of clipping, sums and "
+        "counts). Accounted as Poisson sampling plus the chance a batch is cut, charged in δ."
+    ),
     SamplingKind.SHUFFLE: (
         "Shuffled fixed-size batches, one pass per epoch: NOT Poisson. It is accounted as if it "
         "were Poisson with q = B/N, an assumption it does not meet (guide §4.3)."
+    ),
+    SamplingKind.BALLS_IN_BINS: (
+        "Balls-in-bins sampling (Chua et al. 2025): at the start of every epoch of k = N // B "
+        "steps, each example was assigned to one of the epoch's k batches uniformly at random, "
+        "independently of the others (batch sizes vary; empty batches are steps too). Each "
+        "example is in exactly one batch per epoch, so the accounting charges one Gaussian "
+        "mechanism of noise σ per epoch, at the epoch's first step: a proven bound that claims "
+        "no amplification from the random assignment."
     ),
     SamplingKind.FIXED_SIZE: (
         "Fixed-size batches drawn uniformly without replacement at every step: NOT Poisson. "
@@ -136,6 +155,9 @@ class SamplingRecord:
     #: gradient that the step newly released. Read back from such ledgers only; new records
     #: describe sampling alone and carry 0.
     tree_nodes: int = 0
+    #: Balls-in-bins steps only: whether the step opened its epoch (and is charged the epoch's
+    #: Gaussian) — set per step by :meth:`at_epoch_position`; None on the plan's record.
+    epoch_start: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", SamplingKind.parse(self.kind))
@@ -147,6 +169,10 @@ class SamplingRecord:
         object.__setattr__(self, "tree_nodes", check_count("tree_nodes", self.tree_nodes))
         if self.tree_nodes and self.kind not in TREE_KINDS:
             raise ValueError(f"a {self.kind.value} record releases no tree nodes; pass 0")
+        if self.epoch_start is not None and (
+            self.kind is not SamplingKind.BALLS_IN_BINS or not isinstance(self.epoch_start, bool)
+        ):
+            raise ValueError("epoch_start belongs to balls-in-bins steps (True or False)")
         object.__setattr__(
             self, "dataset_size", check_count("dataset_size", self.dataset_size, minimum=1)
         )
@@ -166,6 +192,32 @@ class SamplingRecord:
                 f"batch_size must be at most dataset_size ({self.dataset_size}), "
                 f"got {self.batch_size}"
             )
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """k = N // B: the batches an epoch of balls-in-bins (or shuffled batches) holds."""
+        return self.dataset_size // (self.batch_size or 1)
+
+    def at_epoch_position(self, position: int | None) -> SamplingRecord:
+        """This record for a step at 0-based ``position`` in its epoch: a balls-in-bins step
+        states whether it opened its epoch (the step charged the epoch's cost); others as is."""
+        if self.kind is not SamplingKind.BALLS_IN_BINS:
+            return self
+        if position is None:
+            raise ValueError("a balls-in-bins step needs its place in the epoch")
+        return dataclasses.replace(self, epoch_start=position == 0)
+
+    def run_event(self, noise_multiplier: float, steps: int) -> DpEvent:
+        """The event of ``steps`` steps drawn this way, from the first (what σ is planned on)."""
+        if self.kind is SamplingKind.BALLS_IN_BINS:
+            epochs = math.ceil(steps / self.batches_per_epoch)
+            return SelfComposedEvent(GaussianEvent(noise_multiplier), epochs)
+        return SelfComposedEvent(self.event(noise_multiplier), steps)
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """M, the rows of every padded batch (truncated Poisson only; else None)."""
+        return self.batch_size if self.kind is SamplingKind.TRUNCATED_POISSON else None
 
     @property
     def assumption_met(self) -> bool:
@@ -196,6 +248,20 @@ class SamplingRecord:
             )
         if self.kind in TREE_KINDS:
             return tree_step_event(noise_multiplier, self.tree_nodes)
+        if self.kind is SamplingKind.BALLS_IN_BINS:
+            if self.epoch_start is None:
+                raise ValueError(
+                    "a balls-in-bins step is charged by its place in the epoch: take the step's "
+                    "record from at_epoch_position"
+                )
+            return GaussianEvent(noise_multiplier) if self.epoch_start else NoOpEvent()
+        if self.kind is SamplingKind.TRUNCATED_POISSON:
+            return TruncatedPoissonSampledEvent(
+                self.sampling_rate,
+                self.dataset_size,
+                self.batch_size,
+                GaussianEvent(noise_multiplier),
+            )
         if self.kind is SamplingKind.FIXED_SIZE:
             return FixedSizeSampledEvent(
                 self.dataset_size, self.batch_size, GaussianEvent(noise_multiplier)
@@ -229,6 +295,8 @@ class SamplingRecord:
             data["unit"] = self.unit
         if self.kind in TREE_KINDS:
             data["tree_nodes"] = self.tree_nodes
+        if self.epoch_start is not None:
+            data["epoch_start"] = self.epoch_start
         return data
 
     @classmethod
@@ -237,7 +305,8 @@ class SamplingRecord:
         if not isinstance(data, dict):
             raise ValueError(f"a sampling record must be a dict, got {type(data).__name__}")
         unknown = set(data) - {
-            "kind", "sampling_rate", "dataset_size", "batch_size", "unit", "tree_nodes"
+            "kind", "sampling_rate", "dataset_size", "batch_size", "unit", "tree_nodes",
+            "epoch_start",
         }  # fmt: skip
         if unknown:
             raise ValueError(f"unknown sampling record fields: {sorted(unknown)}")
@@ -249,6 +318,7 @@ class SamplingRecord:
                 batch_size=data.get("batch_size"),
                 unit=data.get("unit", "example"),
                 tree_nodes=data.get("tree_nodes", 0),
+                epoch_start=data.get("epoch_start"),
             )
         except KeyError as missing:
             raise ValueError(f"sampling record lacks the field {missing}") from None

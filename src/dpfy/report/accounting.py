@@ -66,6 +66,10 @@ class AccountingFacts:
     epsilon_under_poisson_assumption: float | None
     epsilon_table: tuple[EpsilonAtDelta, ...]
     notes: tuple[str, ...] = ()
+    #: A proven lower bound on the training ε at the run's δ for batches that hold each example
+    #: once per epoch (shuffled, balls-in-bins): no accountant can certify less for them
+    #: (:mod:`dpfy.plan.accounting.epoch_lower_bound`). None for the other samplers.
+    epsilon_lower_bound: float | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "accounting") -> AccountingFacts:
@@ -81,7 +85,7 @@ class AccountingFacts:
 def planned_sampling(plan: PrivacyPlan) -> SamplingRecord:
     """The record the plan's sampler reports each step: whether its assumption holds, and why."""
     kind = SamplingKind.parse(plan.sampler)
-    batch = None if kind in POISSON_KINDS else plan.expected_batch_size
+    batch = None if kind in POISSON_KINDS else plan.max_batch_size or plan.expected_batch_size
     return SamplingRecord(kind, plan.sampling_rate, plan.dataset_size, batch, unit=plan.unit)
 
 
@@ -125,6 +129,40 @@ def _poisson_epsilon(ledger: PrivacyLedger) -> float | str:
         return str(err)
 
 
+def epoch_lower_bound(ledger: PrivacyLedger) -> float | None:
+    """ε at the ledger's δ below which no accountant can go for its once-per-epoch batches.
+
+    Shuffled batches hold the example with chance kB/N per epoch (the last N mod B sit out);
+    balls-in-bins with chance 1. Several σ: the largest, which only lowers the bound.
+    """
+    from dpfy.plan.accounting.epoch_lower_bound import epoch_epsilon_lower_bound
+
+    summary = ledger.summary()
+    kinds = {s.sampling.kind for s in summary.sampling}
+    if not summary.sampling or not kinds <= _ONCE_PER_EPOCH or len(kinds) > 1:
+        return None
+    record = summary.sampling[0].sampling
+    steps = sum(s.steps for s in summary.sampling)
+    k = record.batches_per_epoch
+    share = k * record.batch_size / record.dataset_size  # P[the example is in an epoch]
+    if record.kind is SamplingKind.BALLS_IN_BINS:
+        share = 1.0
+    partial = steps % k
+    return epoch_epsilon_lower_bound(
+        max(summary.noise_multipliers),
+        k,
+        steps // k,
+        ledger.delta,
+        in_epoch=share,
+        partial_batches=partial,
+        partial_in_epoch=share * partial / k,
+    )
+
+
+#: Samplers whose batches hold each example at most once per epoch, in one of k batches.
+_ONCE_PER_EPOCH = frozenset({SamplingKind.SHUFFLE, SamplingKind.BALLS_IN_BINS})
+
+
 def accounting_facts(
     ledger: PrivacyLedger, deltas: Sequence[float] = STANDARD_DELTAS
 ) -> AccountingFacts:
@@ -149,6 +187,7 @@ def accounting_facts(
         epsilon_under_poisson_assumption=poisson,
         epsilon_table=table,
         notes=tuple(notes),
+        epsilon_lower_bound=epoch_lower_bound(ledger),
     )
 
 
@@ -159,6 +198,7 @@ __all__ = [
     "LedgerSummary",
     "SampledSteps",
     "accounting_facts",
+    "epoch_lower_bound",
     "planned_sampling",
     "summary_from_dict",
 ]

@@ -36,7 +36,8 @@ strings "inf"/"nan" when unbounded, or null where not applicable)::
     epsilon:         {delta, accountant, training, tuning, tuning_statement, other,
                       total, target_epsilon, assumptions_met, under_poisson_assumption
                       (null for DP-FTRL, which assumes no sampling), proven_total,
-                      statement}                                                         §5.4.2
+                      lower_bound (proven ε floor for once-per-epoch batches, else
+                      null), statement}                                                  §5.4.2
     epsilon_table:   {rows: [{delta, pld, rdp}], notes: [str], statement}
     empirical_audit: {audits: [{method, threat_model, epsilon_lower_bound, confidence, delta,
                       claimed_epsilon, canaries, runs, guesses, correct, seconds, notes,

@@ -164,10 +164,32 @@ SAMPLER_WORDING: dict[str, SamplerWording] = {
         _Q,
         poisson_comparison=True,
     ),
+    "truncated-poisson": SamplerWording(
+        "Met: {joined} independently with probability q (Poisson sampling); a batch of more than "
+        "M = {max_batch} examples kept M of them chosen at random, and every batch was padded "
+        "to M rows whose padding weighed exactly 0. The chance that a step's batch was cut, "
+        "P[Binomial(N + 1, q) > M] = {cut:.3g} per step, was charged in δ: the run is "
+        "(ε, δ_Poisson(ε) + (1 + e^ε)·T·{cut:.3g})-DP, a coupling with untruncated Poisson "
+        "sampling (T steps).",
+        _Q,
+        poisson_comparison=True,
+    ),
+    "balls-in-bins": SamplerWording(
+        "Met, without amplification: at the start of every epoch each example was assigned to "
+        "one of its k = N // B batches uniformly at random (balls-in-bins, Chua et al. 2025), "
+        "so it took part in exactly one step per epoch, and the accountant charged one Gaussian "
+        "mechanism of noise σ per epoch, which holds for any assignment. The amplification the "
+        "random assignment gives (close to Poisson sampling's in Chua et al.'s estimates) is "
+        "known only by Monte Carlo and is not claimed; ε under the Poisson assumption = {eps} is "
+        "for comparison only.",
+        "B/N (1/k: each example is in one of the epoch's k batches)",
+        poisson_comparison=True,
+    ),
     "shuffle": SamplerWording(
         "NOT met: batches were shuffled fixed-size batches (one pass per epoch), but ε is "
         "computed as if they were Poisson-sampled at q = B/N. ε under the Poisson assumption = "
-        "{eps}; the honest ε for shuffled batches is not known (guide §4.3).",
+        "{eps}; no upper bound on ε is proven for shuffled batches (guide §4.3), only the lower "
+        "bound in section 7.",
         _Q,
         poisson_comparison=True,
     ),

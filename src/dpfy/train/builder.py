@@ -70,6 +70,7 @@ def make_private(
     accountant: str = "pld",
     sampler: SamplingKind | str | None = None,
     microbatch_size: int | None = None,
+    max_batch_size: int | None = None,
     max_physical_batch_size: int | None = None,
     secure_noise: bool = False,
     seed: int | None = None,
@@ -97,7 +98,10 @@ def make_private(
     one of ``epochs``/``steps`` and exactly one of ``target_epsilon`` (σ is calibrated and the
     budget guard stops the run there) / ``noise_multiplier``. ``sampler`` is Poisson unless you
     explicitly choose "shuffle" (accounted under the Poisson assumption, flagged as not met) or
-    "fixed-size" (replace-one adjacency, RDP accounting). ``seed`` makes sampling and noise
+    "fixed-size" (replace-one adjacency, RDP accounting). ``sampler="truncated-poisson"`` with
+    ``max_batch_size=M`` cuts each Poisson batch to at most M examples and pads it to exactly M
+    rows (static shapes; padding rows weigh exactly 0), charging the chance of a cut in δ.
+    ``seed`` makes sampling and noise
     reproducible; leave it None in production (OS-seeded). ``secure_noise`` draws noise and
     sampling from the OS CSPRNG (slower; no seed then). ``distributed`` (None: automatic when a
     process group of more than one rank is initialised) trains across ranks with one guarantee
@@ -178,6 +182,7 @@ def make_private(
             microbatch_size=microbatch_size,
             loss_reduction=loss_reduction,
             seeded=seed is not None,
+            max_batch_size=max_batch_size,
             world_size=replicas.world_size,
             examples=records.examples if unit == "user" else None,
             max_examples_per_user=max_examples_per_user,

@@ -86,6 +86,7 @@ def _sampled_loader(plan: PrivacyPlan, inputs: LoaderInputs) -> DPDataLoader:
         plan.steps,
         inputs.generator,
         secure=inputs.secure,
+        max_batch_size=plan.max_batch_size,  # truncated Poisson's static batch shape
     )
     return _example_loader(plan, inputs, sampler)
 

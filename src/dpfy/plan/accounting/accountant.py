@@ -17,6 +17,7 @@ from dpfy.plan.accounting.events import (
     NeighbouringRelation,
     SelfComposedEvent,
 )
+from dpfy.plan.accounting.truncation import split_truncation, truncated_delta, truncated_epsilon
 
 
 class UnsupportedEventError(ValueError):
@@ -33,6 +34,9 @@ class Accountant(abc.ABC):
     ) -> None:
         self.relation = NeighbouringRelation.parse(relation)
         self._composed: list[tuple[DpEvent, int]] = []
+        #: Σ P[a truncated Poisson sample was cut] over the composed steps, charged in δ
+        #: (:mod:`dpfy.plan.accounting.truncation`); the steps themselves compose as Poisson.
+        self._truncation = 0.0
 
     # -- composition -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -65,11 +69,13 @@ class Accountant(abc.ABC):
         if not isinstance(event, DpEvent):
             raise ValueError(f"event must be a DpEvent, got {type(event).__name__}")
         count = check_count("count", count)
-        reason = self.unsupported_reason(event)
+        reason = self.unsupported_reason(event)  # a truncated sample: its accountant's word
         if reason is not None:
             raise UnsupportedEventError(reason)
         if count:
+            event, slack = split_truncation(event)
             self._composed.append((event, count))
+            self._truncation += slack * count
             self._invalidate()
         return self
 
@@ -111,14 +117,14 @@ class Accountant(abc.ABC):
         delta = check_delta(delta)
         if not self._composed:
             return 0.0
-        return self._epsilon(delta)
+        return truncated_epsilon(self._epsilon, delta, self._truncation)
 
     def delta(self, epsilon: float) -> float:
         """The smallest δ this accountant can certify at ``epsilon``."""
         epsilon = check_range("epsilon", epsilon, 0.0, float("inf"), low_open=False)
         if not self._composed:
             return 0.0
-        return self._delta(epsilon)
+        return truncated_delta(self._delta, epsilon, self._truncation)
 
     @abc.abstractmethod
     def _epsilon(self, delta: float) -> float: ...

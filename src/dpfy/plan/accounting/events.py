@@ -104,6 +104,26 @@ class PoissonSampledEvent(DpEvent):
 
 
 @dataclass(frozen=True)
+class TruncatedPoissonSampledEvent(DpEvent):
+    """``event`` on a Poisson sample at rate q cut to at most ``max_batch_size`` records.
+
+    Identical to ``PoissonSampledEvent(q, event)`` except when the sample exceeds the cap; every
+    accountant charges that chance in δ (:mod:`dpfy.plan.accounting.truncation`).
+    """
+
+    sampling_rate: float
+    dataset_size: int
+    max_batch_size: int
+    event: DpEvent
+
+    def __post_init__(self) -> None:
+        check_sampling_rate(self.sampling_rate)
+        check_count("dataset_size", self.dataset_size, minimum=1)
+        check_count("max_batch_size", self.max_batch_size, minimum=1)
+        _check_event("event", self.event)
+
+
+@dataclass(frozen=True)
 class FixedSizeSampledEvent(DpEvent):
     """``event`` run on ``batch_size`` records drawn uniformly without replacement.
 

@@ -68,6 +68,7 @@ from dpfy.plan.accounting.pld_pairs import (
     PureDpPair,
 )
 from dpfy.plan.accounting.pld_rounding import MANY_LEAVES, dominating_gaussians
+from dpfy.plan.accounting.truncation import split_truncation
 
 # ---------------------------------------------------------------------------------------------
 # Events → leaves
@@ -195,6 +196,7 @@ class PldAccountant(Accountant):
         return PldAccountant(self.relation, dataclasses.replace(self.precision, round_always=True))
 
     def unsupported_reason(self, event: DpEvent) -> str | None:
+        event = split_truncation(event)[0]  # truncation is charged in δ (accountant.compose)
         if type(event) is PoissonSampledEvent and type(event.event) is GaussianEvent:
             replace = self.relation is NeighbouringRelation.REPLACE_ONE
             return _REPLACE_ONE_POISSON if replace else None  # DP-SGD steps: fast path

@@ -50,6 +50,8 @@ class PlanRequest:
     tree: str | None = None
     bands: int | None = None
     buffers: int | None = None
+    #: Truncated Poisson sampling's cap M (the rows of every padded batch).
+    max_batch_size: int | None = None
 
 
 def calibrated(
@@ -103,6 +105,11 @@ def plan_from(
     **variant: object,
 ) -> PrivacyPlan:
     """The plan's common fields from the request and the resolved sampling, steps and σ."""
+    if request.max_batch_size is not None and record.max_batch_size is None:
+        raise ValueError(
+            "max_batch_size caps truncated Poisson batches: pass sampler='truncated-poisson' "
+            "with it, or leave it None"
+        )
     return PrivacyPlan(
         dataset_size=request.records,
         expected_batch_size=request.batch_size,
@@ -119,5 +126,6 @@ def plan_from(
         seeded=request.seeded,
         world_size=request.world_size,
         relation=relation.value,
+        max_batch_size=record.max_batch_size,
         **variant,  # type: ignore[arg-type]
     )

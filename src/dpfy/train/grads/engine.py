@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dpfy._validate import check_count, check_positive
+from dpfy.data.padding import Padding
 from dpfy.train.grads.capture import Call, Tap, Taps
 from dpfy.train.grads.hf_losses import LossGuard
 from dpfy.train.grads.layout import Units
@@ -151,6 +152,7 @@ class GradEngine:
         groups: Tensor | None = None,
         noise: NoiseStart | None = None,
         scale: float = 1.0,
+        padding: Padding | None = None,
     ) -> ClipResult:
         """Clip each unit's gradient to ``max_grad_norm`` and add the clipped sum to the total.
 
@@ -170,6 +172,8 @@ class GradEngine:
         sums from noise filled in meanwhile (see :class:`NoiseStart`). ``scale`` multiplies each
         clipped unit gradient before it is summed (the private optimizer passes 1/B, so the sum
         is the average without a pass over the parameters); the reported norms are unscaled.
+        ``padding`` (a static-shape batch, :mod:`dpfy.data.padding`) marks its last rows as
+        padding: they get a clip factor of exactly 0 and are neither counted nor reported.
         """
         self._require_attached()
         clip = check_positive("max_grad_norm", max_grad_norm)
@@ -181,6 +185,8 @@ class GradEngine:
             raise ValueError(f"microbatch_size must be a whole number >= 1, got {group!r}")
         if groups is not None:
             groups = _check_groups(groups, microbatch_size)
+        if padding is not None and (groups is not None or group != 1):
+            raise ValueError("padded batches are clipped per example: pass no groups with them")
         self._taps.active = False  # engines may call watched layers themselves
         try:
             # The norms and sums are data, not part of any graph: under autograd every layer's
@@ -188,7 +194,9 @@ class GradEngine:
             # computed in float32 at least, whatever autocast the caller is in.
             with torch.no_grad(), autocast_off(*self._devices):
                 self._noised = set()
-                result = self._clip_batch(clip, loss_reduction, group, groups, noise, scale)
+                result = self._clip_batch(
+                    clip, loss_reduction, group, groups, noise, scale, padding
+                )
                 if noise is not None:
                     self._finish_noise(noise)
                 return result
@@ -203,10 +211,13 @@ class GradEngine:
         groups: Tensor | None,
         noise: NoiseStart | None,
         sum_scale: float,
+        padding: Padding | None = None,
     ) -> ClipResult:
         """Clip the captured batch's units and add their clipped sum (× ``sum_scale``)."""
         calls = self._collect_calls()
         n = self._batch_size(calls)
+        if padding is not None:
+            padding.check_rows(n)
         if groups is not None and groups.numel() != n:
             raise ValueError(
                 f"groups has {groups.numel()} ids but the batch has {n} examples; pass one "
@@ -224,10 +235,16 @@ class GradEngine:
             norms.mul_(scale)
         # min(1, C/‖g‖), as C / norms computes it (1/‖g‖ · C); a zero norm: C/0 = ∞ → 1
         factors = torch.reciprocal(norms).mul_(clip).clamp_max_(1.0)
+        real, count = n, units.count
+        if padding is not None and padding.padded:  # padding rows: weight exactly 0, unseen
+            real = count = padding.real
+            padding.check_finite(norms[real:])
+            factors[real:] = 0.0
+            norms = norms[:real]
         self._accumulate(factors.mul_(scale * sum_scale), noise)
-        self.num_examples += n
+        self.num_examples += real
         # Formed under no_grad, so nothing to detach from (detach() would be one more call).
-        return ClipResult(norms.detach() if norms.requires_grad else norms, n, units.count)
+        return ClipResult(norms.detach() if norms.requires_grad else norms, real, count)
 
     @property
     def summing(self) -> bool:
@@ -244,7 +261,7 @@ class GradEngine:
         for name, param in self.params.items():
             total = self._acc.get(name)
             if total is None:
-                out[name] = torch.zeros_like(param)
+                out[name] = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
             else:
                 out[name] = total if total.dtype == param.dtype else total.to(param.dtype)
         return out
@@ -301,10 +318,10 @@ class GradEngine:
         if noise is None or name not in noise.names or name in self._noised:
             return None
         self._noised.add(name)
-        total = torch.empty_like(
-            self.params[name],
+        total = torch.empty(  # the global shape, plain, also for an FSDP2 (DTensor) parameter
+            self.params[name].shape,
             dtype=self._sum_dtypes[name],
-            memory_format=torch.contiguous_format,
+            device=self.params[name].device,
         )
         noise.fill(name, total)
         self._acc[name] = total
