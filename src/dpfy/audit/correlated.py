@@ -99,8 +99,9 @@ from dpfy.audit.canaries import (
     out_mean,
 )
 from dpfy.audit.observe import StepSettings, _private_session, _Rows, watch_updates
-from dpfy.audit.one_run import score_and_guess
+from dpfy.audit.one_run_fdp import EventFamily, one_run_bound
 from dpfy.audit.result import AuditResult
+from dpfy.plan.accounting.events import DpEvent
 from dpfy.plan.correlated_events import decode_strategy, describe_strategy
 
 #: Share of each side's trials that chooses the classical threshold (the rest evaluate it).
@@ -131,6 +132,9 @@ class FactorisedSession:
     claimed_epsilon: float
     strategy: str
     participation: str
+    #: The re-run's ledger event and relation (the claim the f-DP one-run audit tests).
+    claimed_event: DpEvent | None = None
+    relation: str = "add-or-remove"
 
 
 def out_side(settings: StepSettings) -> str:
@@ -226,6 +230,8 @@ def run_factorised_session(
             claimed_epsilon=claimed,
             strategy=describe_strategy(plan.mechanism, plan.strategy),
             participation=_participation(plan, settings.steps),
+            claimed_event=watched.event,
+            relation=watched.relation,
         )
     finally:
         private.engine.detach()
@@ -327,16 +333,18 @@ def factorised_audit(
     on_step: Callable[[], None] | None = None,
     on_scores: ScoresSink | None = None,
 ) -> AuditResult:
-    """ε̂ of one whole run of a BandMF or BLT plan: ``method`` "classical" or "one-run"."""
+    """ε̂ of one whole run of a BandMF or BLT plan: ``method`` "classical", "one-run" or
+    "one-run-f-dp"."""
     if method == "classical":
         return factorised_classical_audit(
             settings, canaries, blocks, probes, confidence, seed, on_step, on_scores
         )
-    if method == "one-run":
+    if method in ("one-run", "one-run-f-dp"):
+        bound = "f-dp" if method == "one-run-f-dp" else "steinke"
         return factorised_one_run_audit(
-            settings, canaries, blocks, probes, confidence, seed, on_step, on_scores
+            settings, canaries, blocks, probes, confidence, seed, on_step, on_scores, bound
         )
-    raise ValueError(f"method must be 'classical' or 'one-run', got {method!r}")
+    raise ValueError(f"method must be 'classical', 'one-run' or 'one-run-f-dp', got {method!r}")
 
 
 def factorised_classical_audit(
@@ -396,8 +404,13 @@ def factorised_one_run_audit(
     seed: int | None,
     on_step: Callable[[], None] | None = None,
     on_scores: ScoresSink | None = None,
+    bound: str = "steinke",
 ) -> AuditResult:
-    """``blocks`` whole runs, each with its own canaries in by a fair coin; ε̂ of one run."""
+    """``blocks`` whole runs, each with its own canaries in by a fair coin; ε̂ of one run.
+
+    ``bound``: "steinke" (ε, δ), or "f-dp" against the re-run's ledger event with its noise
+    scaled (:mod:`dpfy.audit.one_run_fdp`).
+    """
     start = time.perf_counter()
     design = factorised_design(settings, canaries, probes)
     flips = coin_generator(seed)
@@ -412,7 +425,8 @@ def factorised_one_run_audit(
     flat, flags = np.concatenate(scores), included.numpy().ravel()
     if on_scores is not None:
         on_scores(flat[flags], flat[~flags])
-    result = score_and_guess(flat, flags, settings.delta, confidence, threat_model="white-box")
+    family = EventFamily.of(sessions[0].claimed_event, settings, sessions[0].relation)
+    result = one_run_bound(flat, flags, settings.delta, confidence, bound, family)
     return result.with_context(
         runs=blocks,
         seconds=time.perf_counter() - start,

@@ -28,6 +28,7 @@ import torch
 
 from dpfy.audit.canaries import CanaryDesign, CanaryModel, canary_rows
 from dpfy.data.loader import rest_of_run
+from dpfy.plan.accounting.events import DpEvent
 from dpfy.plan.correlated.banded import BandedStrategy
 from dpfy.plan.correlated_events import CORRELATED_MECHANISMS, decode_strategy
 from dpfy.plan.privacy_plan import PrivacyPlan
@@ -175,6 +176,9 @@ class Session:
     updates: np.ndarray
     claimed_block_epsilon: float
     claimed_epsilon: float
+    #: The session's ledger event and relation (the claim the f-DP one-run audit tests).
+    claimed_event: DpEvent | None = None
+    relation: str = "add-or-remove"
 
     def blocks(self, steps_per_block: int) -> np.ndarray:
         """The updates summed over each block of steps: one row per independent trial."""
@@ -211,7 +215,13 @@ def run_session(
     finally:
         private.engine.detach()
     scale = settings.batch_size / settings.max_grad_norm
-    return Session(watched.updates * scale, watched.epsilon_at_mark, watched.epsilon)
+    return Session(
+        watched.updates * scale,
+        watched.epsilon_at_mark,
+        watched.epsilon,
+        watched.event,
+        watched.relation,
+    )
 
 
 @dataclass(frozen=True)
@@ -223,6 +233,9 @@ class Watched:
     updates: np.ndarray
     epsilon_at_mark: float
     epsilon: float
+    #: What the session's ledger accounted (every step, as one event), under which relation.
+    event: DpEvent | None = None
+    relation: str = "add-or-remove"
 
 
 def watch_updates(
@@ -261,7 +274,8 @@ def watch_updates(
             if step == total:
                 break
         claimed = private.epsilon()
-    return Watched(updates[:step], at_mark, claimed)
+    ledger = private.ledger
+    return Watched(updates[:step], at_mark, claimed, ledger.events(), ledger.relation.value)
 
 
 def _private_session(

@@ -27,6 +27,11 @@ METHODS = {
         "one training run; each canary included independently with probability ½, the "
         "auditor's guesses scored by the one-run theorem (Steinke, Nasr & Jagielski 2023)"
     ),
+    "one-run-f-dp": (
+        "one training run; each canary included independently with probability ½, the "
+        "auditor's guesses tested against a family of tradeoff curves (Mahloujifar, Melis & "
+        "Chaudhuri 2024)"
+    ),
     "f-dp": (
         "Dirac canaries in and out of every step, each coordinate of each step a trial; the "
         "tradeoff curve of the claimed (subsampled) Gaussian fitted to Clopper–Pearson bounds "

@@ -67,7 +67,7 @@ from dpfy.audit.canaries import CanaryDesign, coin_generator, out_mean
 from dpfy.audit.correlated import factorised_audit
 from dpfy.audit.fdp import fdp_audit
 from dpfy.audit.observe import Session, StepSettings, run_session
-from dpfy.audit.one_run import score_and_guess
+from dpfy.audit.one_run_fdp import EventFamily, one_run_bound
 from dpfy.audit.result import AuditResult
 
 #: Share of each session's blocks that chooses the threshold (the rest evaluate it).
@@ -122,11 +122,14 @@ def audit_private_step(
         return classical_audit(
             settings, canaries, blocks, probes, confidence, seed, statistics, on_step, on_scores
         )
-    if method == "one-run":
+    if method in ("one-run", "one-run-f-dp"):
+        bound = "f-dp" if method == "one-run-f-dp" else "steinke"
         return one_run_audit(
-            settings, canaries, blocks, probes, confidence, seed, on_step, on_scores
+            settings, canaries, blocks, probes, confidence, seed, on_step, on_scores, bound
         )
-    raise ValueError(f"method must be 'f-dp', 'classical' or 'one-run', got {method!r}")
+    raise ValueError(
+        f"method must be 'f-dp', 'classical', 'one-run' or 'one-run-f-dp', got {method!r}"
+    )
 
 
 def audit_steps(settings: StepSettings, method: str, blocks: int) -> int:
@@ -233,8 +236,13 @@ def one_run_audit(
     seed: int | None,
     on_step: Callable[[], None] | None = None,
     on_scores: ScoresSink | None = None,
+    bound: str = "steinke",
 ) -> AuditResult:
-    """One session, each canary in with probability ½; ε̂ of the whole session."""
+    """One session, each canary in with probability ½; ε̂ of the whole session.
+
+    ``bound`` "steinke" tests (ε, δ) (Steinke et al. 2023); "f-dp" tests the session's own
+    ledger event with its noise scaled (Mahloujifar et al. 2024), Steinke's figure in its notes.
+    """
     start = time.perf_counter()
     design = design_for(settings, canaries, probes)
     flips = coin_generator(seed)
@@ -245,9 +253,9 @@ def one_run_audit(
     scores = _log_likelihood_ratios(session, settings, canaries)
     if on_scores is not None:
         on_scores(scores[included.numpy()], scores[~included.numpy()])
-    result = score_and_guess(
-        scores, included.numpy(), settings.delta, confidence, threat_model="white-box"
-    )
+    flags = included.numpy()
+    family = EventFamily.of(session.claimed_event, settings, session.relation)
+    result = one_run_bound(scores, flags, settings.delta, confidence, bound, family)
     return result.with_context(
         runs=1,
         seconds=time.perf_counter() - start,
