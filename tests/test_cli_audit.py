@@ -51,6 +51,29 @@ def test_a_second_audit_is_added_beside_the_first(trained):
     assert len(audits) == before + 1 and audits[-1]["method"] == "one-run"
 
 
+def test_audit_json_holds_the_estimate_both_claims_and_the_paths(trained):
+    code, stdout, stderr = dpfy(
+        "audit", str(trained), "--canaries", "10", "--blocks", "5", "--seed", "1", "--json"
+    )
+    assert code == 0, stderr
+    document = json.loads(stdout)  # one JSON object and nothing else on stdout
+    audit = document["audits"][0]
+    assert audit["method"] == "classical" and audit["epsilon_lower_bound"] >= 0
+    run_epsilon = json.loads((trained / "report.json").read_text())["epsilon"]["total"]
+    assert document["run_epsilon"] == pytest.approx(run_epsilon)
+    assert audit["audit_claimed_epsilon"] != pytest.approx(run_epsilon)  # one step's, not the run's
+    assert Path(document["paths"]["audit"]) == trained / "audit.json"
+    code, stdout, _ = dpfy("audit", str(trained), "--canaries", "10", "--blocks", "5", "--quiet")
+    assert code == 0 and stdout.strip() == str(trained / "audit.json")
+
+
+def test_the_printed_claim_is_named_as_the_audited_parts_beside_the_runs(trained):
+    code, stdout, _ = dpfy("audit", str(trained), "--canaries", "10", "--blocks", "5")
+    assert code == 0
+    line = next(line for line in stdout.splitlines() if line.startswith("classical: ε̂ = "))
+    assert "for the part this audit tests; the whole run claims ε = " in line
+
+
 def test_a_directory_without_a_run_is_one_error_line_naming_the_fix(tmp_path):
     code, stdout, stderr = dpfy("audit", str(tmp_path))
     assert code == 2 and stdout == ""
@@ -61,7 +84,8 @@ def test_a_directory_without_a_run_is_one_error_line_naming_the_fix(tmp_path):
 
 def test_an_unknown_method_is_refused_before_anything_runs(trained):
     code, _, stderr = dpfy("audit", str(trained), "--method", "guess")
-    assert code == 2 and "--method must be one of classical, one-run, both" in stderr
+    assert code == 2 and "'--method'" in stderr and "one of classical, one-run, both" in stderr
+    assert len(stderr.strip().splitlines()) == 1 and "'guess'" in stderr
 
 
 def test_a_run_of_another_access_model_is_refused_naming_what_can_be_audited(tmp_path):

@@ -41,14 +41,12 @@ def _checked_method(value: str) -> str:
 
 
 def _claim(result: Any, run_epsilon: float | None) -> str:
-    """The claim ε̂ is held against: the ε of what the audit itself ran, not the run's whole ε."""
+    """The claim ε̂ is held against: the ε of what the audit itself tests (a step, an epoch, a
+    re-run), which is not the run's whole ε; both are named so neither is mistaken for the other."""
     if result.claimed_epsilon is None:
         return "claimed ε unknown"
-    whole = "" if run_epsilon is None else f"; the run itself claims ε = {run_epsilon:.3g}"
-    return (
-        f"claimed ε = {result.claimed_epsilon:.3g} for what this audit ran ({result.runs} "
-        f"run(s) of the run's plan{whole})"
-    )
+    whole = "" if run_epsilon is None else f"; the whole run claims ε = {run_epsilon:.3g}"
+    return f"claimed ε = {result.claimed_epsilon:.3g} for the part this audit tests{whole}"
 
 
 def _document(outcomes: Any, written: Path, run_dir: Path, run_epsilon: float | None) -> str:
