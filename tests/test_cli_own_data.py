@@ -63,7 +63,7 @@ def test_a_csv_trains_and_the_card_names_the_file_and_what_was_declared_public(t
     assert result["status"] == "finished" and 0 <= result["test_accuracy"] <= 1
     card = (out / "report.md").read_text()
     assert f"Dataset: patients.csv, N = 96, from {data.resolve()}" in card
-    assert "label column 'target'" in card
+    assert "labels from the column 'target'" in card
     assert "bounds declared public by the user (0..10 for every feature)" in card
     assert "fitted on the private data" not in card
     saved = json.loads((out / "config.json").read_text())
@@ -204,3 +204,29 @@ def test_test_rows_with_a_label_training_never_saw_are_refused(tmp_path):
         load_user_file(train, "y", "0:5", test_path=test)
     loaded = load_user_file(train, "y", "0:5", test_path=train)
     assert loaded.class_names == ("x", "z") and len(loaded.test) == 4
+
+
+def _image_folder(root: Path, size: int = 10) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        for i in range(5):
+            pixels = rng.integers(0, 255, (size, size), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return root
+
+
+def test_a_folder_of_class_subfolders_is_images_labelled_by_subfolder(tmp_path):
+    folder = _image_folder(tmp_path / "pets")
+    assert peek_input_shape(folder, "") == (1, 10, 10)
+    loaded = load_user_file(folder, "", "0:255")
+    assert loaded.class_names == ("cat", "dog") and loaded.input_shape == (1, 10, 10)
+    assert len(loaded.train) + len(loaded.test) == 10
+    assert "labels from the class subfolder names" in loaded.source
+    from PIL import Image
+
+    Image.new("L", (12, 10)).save(folder / "dog" / "odd.png")
+    with pytest.raises(ValueError, match=r"odd.png is 12×10, the first image 10×10; resize"):
+        load_user_file(folder, "", "0:255")

@@ -384,10 +384,11 @@ def _own_data(config: TrainConfig, given: dict[str, Any]) -> TrainConfig:
         return config
     if "dataset" in given:
         raise ValueError("pass --dataset NAME (a bundled dataset) or --data FILE, not both")
-    if not config.label:
+    if not config.label and not config.data.is_dir():  # a folder's labels are its subfolders
         raise ValueError("--data needs --label COLUMN: the column (or NPZ array) of the labels")
     parse_feature_bounds(config.feature_bounds)
-    model = given.get("model") or model_for_shape(peek_input_shape(config.data, config.label))
+    shape = peek_input_shape(config.data, config.label or "")
+    model = given.get("model") or model_for_shape(shape)
     return replace(config, dataset=config.data.name, model=model)
 
 
@@ -543,9 +544,9 @@ def train(
         typer.Option(
             metavar="FILE",
             help="Train on your own data instead of a bundled dataset: a .csv (header row, "
-            "numeric features), .npz (a feature array and a label array) or .parquet file; "
-            "needs --label and --feature-bounds. The model (unless --model) follows the "
-            "data's shape: images a CNN, rows an MLP.",
+            "numeric features), .npz (a feature array and a label array) or .parquet file "
+            "(needs --label), or a folder of class subfolders of images; and --feature-bounds. "
+            "The model (unless --model) follows the data's shape: images a CNN, rows an MLP.",
         ),
     ] = None,
     label: Annotated[

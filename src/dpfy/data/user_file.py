@@ -1,5 +1,6 @@
 """The user's own data from one file (``dpfy train --data FILE --label COLUMN``): CSV, NPZ or
-Parquet, with the label named and the features' scale declared before any row is read.
+Parquet, with the label named, or a folder of class subfolders of images (the label is the
+subfolder), and the features' scale declared before any row is read.
 
 Why declared: a scale fitted on the rows a run trains on (a mean, a standard deviation, a min and
 max) is a statistic of the private data released outside the DP guarantee (guide §5.5.1, tab. 5).
@@ -291,8 +292,57 @@ def _read_parquet(path: Path, label: str) -> FileData:
 _READERS = {".csv": _read_csv, ".npz": _read_npz, ".parquet": _read_parquet}
 
 
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+
+def _image_files(folder: Path) -> list[tuple[str, Path]]:
+    """(class, image) for every image in ``folder``'s class subfolders, in a fixed order."""
+    classes = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    found = [
+        (cls.name, image)
+        for cls in classes
+        for image in sorted(cls.iterdir())
+        if image.suffix.lower() in _IMAGE_SUFFIXES
+    ]
+    if not found:
+        raise ValueError(
+            f"--data {folder}: no images in class subfolders; lay the folder out as "
+            "FOLDER/<class name>/<image files> (png, jpg, …)"
+        )
+    return found
+
+
+def _read_image_folder(folder: Path, label: str) -> FileData:
+    """A folder of class subfolders of images (one size, one mode); the label is the subfolder."""
+    from PIL import Image, UnidentifiedImageError
+
+    pixels, labels = [], []
+    shape: tuple[int, ...] | None = None
+    mode = None
+    for name, image in _image_files(folder):
+        try:
+            with Image.open(image) as opened:
+                mode = mode or ("L" if opened.mode in ("1", "L", "P", "I", "I;16") else "RGB")
+                array = np.asarray(opened.convert(mode), dtype=np.float64)
+        except (OSError, UnidentifiedImageError) as err:
+            raise ValueError(f"{image} is not a readable image ({err})") from None
+        array = array[None] if array.ndim == 2 else np.moveaxis(array, -1, 0)  # (C, H, W)
+        if shape is None:
+            shape = array.shape
+        elif array.shape != shape:
+            raise ValueError(
+                f"{image} is {array.shape[2]}×{array.shape[1]}, the first image "
+                f"{shape[2]}×{shape[1]}; resize every image to one size before training"
+            )
+        pixels.append(array)
+        labels.append(name)
+    return FileData(np.stack(pixels), np.asarray(labels), (), "image folder")
+
+
 def _read(path: Path, label: str) -> FileData:
-    """The file's rows, read by the reader its suffix names."""
+    """The file's rows, read by the reader its suffix names (a folder: its images)."""
+    if path.is_dir():
+        return _read_image_folder(path, label)
     return _READERS[_suffix(path)](path, label)
 
 
@@ -304,6 +354,12 @@ def _input_shape(features: np.ndarray) -> tuple[int, ...]:
 
 def peek_input_shape(path: Path, label: str) -> tuple[int, ...]:
     """The input shape one example of ``path`` has (what the model is chosen from)."""
+    if Path(path).is_dir():
+        from PIL import Image
+
+        with Image.open(_image_files(Path(path))[0][1]) as first:
+            channels = 1 if first.mode in ("1", "L", "P", "I", "I;16") else 3
+            return (channels, first.height, first.width)
     if _suffix(Path(path)) == ".npz":
         with np.load(path, allow_pickle=False) as archive:
             others = [name for name in archive.files if name != label]
@@ -422,11 +478,12 @@ def load_user_file(
             "class must occur in training"
         )
     index = {value: i for i, value in enumerate(classes)}
+    named = "class subfolder names" if path.is_dir() else f"column {label!r}"
     x_train, x_test = _scale(x_train, x_test, declaration, data.columns)
     shape = _input_shape(data.features)
     steps = (
         declaration.describe(),
-        f"label classes: the {len(classes)} distinct values of column {label!r} "
+        f"label classes: the {len(classes)} distinct {named} "
         f"({', '.join(classes[:10])}{', …' if len(classes) > 10 else ''}), taken to be the "
         "task's public classes",
     )
@@ -437,7 +494,7 @@ def load_user_file(
         num_classes=len(classes),
         input_shape=shape,
         source=(
-            f"{path.resolve()} ({data.kind}, label column {label!r}, "
+            f"{path.resolve()} ({data.kind}, labels from the {named}, "
             f"{len(data.columns) or int(np.prod(shape))} features)"
         ),
         preprocessing=Preprocessing(

@@ -177,7 +177,7 @@ def _check_own_data(config: TrainConfig) -> None:
         if config.label is not None or config.feature_bounds is not None or config.test_data:
             raise ValueError("--label, --feature-bounds and --test-data go with --data FILE")
         return
-    if not config.label:
+    if not config.label and not config.data.is_dir():  # a folder's labels are its subfolders
         raise ValueError("--data needs --label COLUMN: the column (or NPZ array) of the labels")
     if config.access != "full":
         raise ValueError(
@@ -245,17 +245,16 @@ def write_config(config: TrainConfig, run_dir: Path) -> Path:
 
 def read_config(path: Path) -> TrainConfig:
     """The settings a ``config.json`` holds; one ValueError naming the file and the fix if not."""
+    from dpfy._safe_io import read_json  # bounded, regular files only: no FIFO, no /dev/zero
+
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        document = read_json(Path(path), "--config", limit=2**20)
     except FileNotFoundError:
         raise ValueError(
             f"{path} does not exist; pass the config.json of a `dpfy train` run"
         ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(
-            f"{path} is not a readable JSON file ({err}); pass the config.json of a "
-            "`dpfy train` run"
-        ) from None
+    except ValueError as err:
+        raise ValueError(f"{err}; pass the config.json of a `dpfy train` run") from None
     if not isinstance(document, dict) or document.get(_COMMAND_KEY, "train") != "train":
         written_by = document.get(_COMMAND_KEY) if isinstance(document, dict) else None
         raise ValueError(
