@@ -92,7 +92,7 @@ def test_a_clean_run_has_no_findings(clean):
 
 def test_a_seeded_run_is_flagged_because_its_noise_can_be_replayed(clean):
     finding = only(with_privacy(clean, seeded=True), "seeded-randomness")
-    assert finding.severity is Severity.ERROR
+    assert finding.severity is Severity.WARNING  # an experiment: --strict makes it fail
     assert "seed stays secret" in finding.evidence and "OS entropy" in finding.fix
     assert "seeded-randomness" not in codes(clean)
 

@@ -181,11 +181,15 @@ def delta_too_large(facts: RunFacts) -> Iterator[Finding]:
 
 @detector("seeded-randomness")
 def seeded_randomness(facts: RunFacts) -> Iterator[Finding]:
-    """A chosen seed makes the noise replayable: DP needs randomness the adversary cannot know."""
+    """A chosen seed makes the noise replayable: DP needs randomness the adversary cannot know.
+
+    A warning, not an error: a seeded run is an experiment (reproducible on purpose), and the
+    guarantee holds while the seed stays secret; ``--strict`` makes it fail the command.
+    """
     if facts.privacy.seeded:
         yield Finding(
             "seeded-randomness",
-            Severity.ERROR,
+            Severity.WARNING,
             "sampling and noise were drawn from a chosen seed",
             "the run was given seed= (or --seed): anyone who learns that seed can regenerate the "
             "batches and subtract the noise, so the stated (ε, δ) holds only while the seed "
