@@ -119,3 +119,21 @@ def test_tunings_near_chance_note_fires_near_chance_only(classes, best, noted):
     outcome = SimpleNamespace(results=[SimpleNamespace(accuracy=best)], notes=[])
     _check_informative(outcome, num_classes=classes)
     assert bool(outcome.notes) is noted
+
+
+def test_federated_json_prints_the_run_and_its_files(tmp_path):
+    args = ["federated", "--users", "10", "--clients-per-round", "5", "--rounds", "2"]
+    code, stdout, stderr = dpfy(*args, "--json", "--out", str(tmp_path / "run"))
+    assert code == 0, stderr
+    document = json.loads(stdout)
+    assert document["run_dir"] == str(tmp_path / "run") and document["rounds"] == 2
+    assert Path(document["paths"]["report.md"]) == tmp_path / "run" / "report.md"
+    assert not any(name.startswith(".") for name in document["paths"])
+
+
+def test_report_json_is_the_json_format(tmp_path):
+    run = tmp_path / "run"
+    assert dpfy("train", "--model", "logreg", "--epochs", "0.3", "--out", str(run))[0] == 0
+    code, stdout, _ = dpfy("report", str(run), "--json")
+    assert code == 0 and stdout == dpfy("report", str(run), "--format", "json")[1]
+    assert json.loads(stdout)["format"] == "dpfy.report.render"
