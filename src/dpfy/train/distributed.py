@@ -381,6 +381,12 @@ class AllReduceAggregator:
     def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
         """The noisy global clipped sum, identical on every rank; nothing changes on failure."""
         self._check_in_step()
+        total = self._all_reduced(noised)
+        self.sequence += 1
+        return total
+
+    def _all_reduced(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Σ over ranks of each tensor, by one all-reduce per dtype and device."""
         noised = dict(noised)
         for group in _by_dtype_and_device(noised).values():
             flat = torch.cat([noised[name].reshape(-1) for name in group])
@@ -390,7 +396,6 @@ class AllReduceAggregator:
                 size = noised[name].numel()
                 noised[name] = flat[offset : offset + size].view_as(noised[name])
                 offset += size
-        self.sequence += 1
         return noised
 
     def skip(self) -> None:
@@ -451,11 +456,15 @@ class ShardedReplicas(ProcessGroupReplicas):
 
 
 class ShardedAggregator(AllReduceAggregator):
-    """Σ over ranks of (clipped sum + N(0, std²/W)), then this rank's shard of each parameter.
+    """Σ over ranks of (clipped sum + N(0, std²/W)), each rank receiving only its own shard.
 
-    The sums are formed full-size on every rank (each rank's examples touch every coordinate);
-    after the sum every rank keeps only the coordinates of its own shard, as a DTensor laid out
-    like the parameter, which the optimizer then updates.
+    The sums are formed full-size on every rank (each rank's examples touch every coordinate).
+    Parameters sharded on dim 0 over the ranks (``fully_shard``'s layout) are summed by one
+    reduce-scatter per dtype and device: rank r receives the sum of rows r·c … (r+1)·c − 1 of
+    every such parameter (c = ⌈rows / W⌉, as ``torch.chunk`` cuts), half the traffic of an
+    all-reduce on two ranks. Any other parameter (replicated, or sharded otherwise) is
+    all-reduced whole and then cut like the parameter. Each result is a DTensor laid out like
+    its parameter, which the optimizer then updates.
     """
 
     def __init__(self, replicas: ShardedReplicas, params: Mapping[str, Tensor]) -> None:
@@ -464,8 +473,57 @@ class ShardedAggregator(AllReduceAggregator):
 
     def combine(self, noised: dict[str, Tensor]) -> dict[str, Tensor]:
         """The noisy global clipped sum of this rank's shard of every parameter."""
-        total = super().combine(noised)
-        return {name: _shard_like(self.params.get(name), value) for name, value in total.items()}
+        rows = {name: t for name, t in noised.items() if _row_sharded(self.params.get(name))}
+        rest = {name: t for name, t in noised.items() if name not in rows}
+        self._check_in_step()
+        out: dict[str, Tensor] = {}
+        for group in _by_dtype_and_device(rows).values():
+            out.update(self._scattered({name: rows[name] for name in group}))
+        for name, total in self._all_reduced(rest).items():
+            out[name] = _shard_like(self.params.get(name), total)
+        self.sequence += 1
+        return {name: out[name] for name in noised}
+
+    def _scattered(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's rows of Σ over ranks of ``sums`` (one dtype and device), as DTensors."""
+        world = self.replicas.world_size
+        chunks = {name: -(-t.shape[0] // world) for name, t in sums.items()}  # ⌈rows / W⌉
+        pieces = []
+        for r in range(world):
+            for name, total in sums.items():
+                c = chunks[name]
+                part = total[r * c : (r + 1) * c].reshape(-1)
+                pad = c * total[0].numel() - part.numel()
+                pieces.append(part if pad == 0 else torch.cat([part, part.new_zeros(pad)]))
+        flat = torch.cat(pieces)
+        mine = flat.new_empty(flat.numel() // world)
+        self.replicas.run("reduce-scatter of the clipped sums", lambda: _reduce_scatter(mine, flat))
+        out, offset = {}, 0
+        for name, total in sums.items():
+            param = self.params[name]
+            local = param.to_local()  # type: ignore[attr-defined]
+            size = chunks[name] * total[0].numel()
+            shard = mine[offset : offset + local.numel()].view(local.shape)
+            offset += size
+            out[name] = DTensor.from_local(
+                shard, param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                shape=param.shape, stride=param.stride(),
+            )  # fmt: skip
+        return out
+
+
+def _row_sharded(param: Tensor | None) -> bool:
+    """Sharded on dim 0 over a 1-D mesh (``fully_shard``'s layout) and at least 1-D."""
+    if not isinstance(param, DTensor) or param.dim() == 0 or param.device_mesh.ndim != 1:
+        return False
+    (placement,) = param.placements
+    return placement.is_shard() and placement.dim == 0  # type: ignore[attr-defined]
+
+
+def _reduce_scatter(output: Tensor, flat: Tensor) -> None:
+    work = dist.reduce_scatter_tensor(output, flat, op=dist.ReduceOp.SUM)
+    if work is not None:
+        work.wait()
 
 
 def _shard_like(param: Tensor | None, full: Tensor) -> Tensor:
