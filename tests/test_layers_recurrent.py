@@ -69,35 +69,50 @@ def _example(x: Tensor, i: int, batch_first: bool) -> Tensor:
 CLASSES = [nn.RNN, nn.GRU, nn.LSTM]
 
 
+ENGINES = ["fast", "vmap"]
+
+
+@pytest.mark.parametrize("kind", ENGINES)
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize(("layers", "bidirectional"), [(1, False), (2, True)])
-def test_recurrent_layer_matches_a_per_example_loop(cls, batch_first, layers, bidirectional):
+def test_recurrent_layer_matches_a_per_example_loop(kind, cls, batch_first, layers, bidirectional):
     torch.manual_seed(0)
     model = Recurrent(cls, batch_first=batch_first, layers=layers, bidirectional=bidirectional)
     x = _batch(model, 5, 4)
-    kind = assert_exact(
+    assert_exact(
         model,
         lambda i: model(_example(x, i, batch_first)).sum(),
         lambda: model(x),
         5,
+        kind=kind,
         reduction="mean" if batch_first else "sum",
         batch_first=batch_first,
     )
-    assert kind == "vmap"
 
 
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_rnn_without_biases_matches_the_loop_on_both_engines(nonlinearity):
+    torch.manual_seed(5)
+    model = Recurrent(nn.RNN, batch_first=True, layers=2, bias=False, nonlinearity=nonlinearity)
+    x = _batch(model, 4, 3)
+    for kind in ENGINES:
+        assert_exact(model, lambda i: model(x[i : i + 1]).sum(), lambda: model(x), 4, kind=kind)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
-def test_layer_layout_of_its_own_is_read_from_the_layer_not_the_model(cls):
+def test_layer_layout_of_its_own_is_read_from_the_layer_not_the_model(kind, cls):
     # A batch-first model holding a sequence-first recurrent layer (it transposes).
     torch.manual_seed(1)
     model = Recurrent(cls, batch_first=False, layers=2, model_batch_first=True)
     x = _batch(model, 4, 3)
-    assert_exact(model, lambda i: model(x[i : i + 1]).sum(), lambda: model(x), 4)
+    assert_exact(model, lambda i: model(x[i : i + 1]).sum(), lambda: model(x), 4, kind=kind)
 
 
+@pytest.mark.parametrize("kind", ENGINES)
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
-def test_initial_state_given_by_the_caller_is_each_examples_own(cls):
+def test_initial_state_given_by_the_caller_is_each_examples_own(kind, cls):
     torch.manual_seed(2)
     model = Recurrent(cls, batch_first=True, layers=2, bidirectional=True)
     x = _batch(model, 4, 3)
@@ -112,6 +127,7 @@ def test_initial_state_given_by_the_caller_is_each_examples_own(cls):
         lambda i: model(x[i : i + 1], state(slice(i, i + 1))).sum(),
         lambda: model(x, state(slice(None))),
         4,
+        kind=kind,
     )
 
 
@@ -143,9 +159,10 @@ class Packed(nn.Module):
         return self.head(pooled).square().sum(1) + 0.3 * h_n.square().sum((0, 2))
 
 
+@pytest.mark.parametrize("kind", ENGINES)
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_packed_sequences_match_a_per_example_loop(cls, batch_first):
+def test_packed_sequences_match_a_per_example_loop(kind, cls, batch_first):
     torch.manual_seed(4)
     lengths = torch.tensor([3, 5, 1, 5, 2]) if batch_first else torch.tensor([5, 5, 3, 2, 1])
     model = Packed(cls, batch_first, enforce_sorted=not batch_first)
@@ -155,13 +172,15 @@ def test_packed_sequences_match_a_per_example_loop(cls, batch_first):
         lambda i: model(x[i : i + 1, : lengths[i]], lengths[i : i + 1]).sum(),
         lambda: model(x, lengths),
         5,
+        kind=kind,
         reduction="mean",
     )
 
 
-def test_dropout_between_stacked_layers_in_training_is_refused_by_name():
+@pytest.mark.parametrize("kind", ENGINES)
+def test_dropout_between_stacked_layers_in_training_is_refused_by_name(kind):
     model = Recurrent(nn.GRU, batch_first=True, layers=2, dropout=0.3)
-    engine = make_engine(model)
+    engine = make_engine(model, kind)
     model(torch.randn(3, 4, 3)).sum().backward()
     with pytest.raises(ValueError, match=r"GRU\(dropout=0.3\).*dropout=0"):
         engine.clip_and_accumulate(1.0, "sum")
@@ -169,7 +188,7 @@ def test_dropout_between_stacked_layers_in_training_is_refused_by_name():
     engine.detach()
     model.eval()  # in evaluation mode the layer draws no dropout: nothing to refuse
     x = torch.randn(3, 4, 3)
-    assert_exact(model, lambda i: model(x[i : i + 1]).sum(), lambda: model(x), 3)
+    assert_exact(model, lambda i: model(x[i : i + 1]).sum(), lambda: model(x), 3, kind=kind)
 
 
 class PackedIntoLinear(nn.Module):
@@ -202,8 +221,26 @@ def test_packed_sequence_into_a_layer_that_cannot_split_it_is_refused_naming_the
     engine.detach()
 
 
-def test_auto_names_the_recurrent_layer_that_forced_vmap():
-    engine = make_engine(Recurrent(nn.LSTM, batch_first=True))
+def test_auto_runs_recurrent_layers_on_their_fast_rule():
+    engine = make_engine(Recurrent(nn.GRU, batch_first=True, layers=2, bidirectional=True))
+    assert engine.kind == "fast" and engine.fallback_reason is None
+    engine.detach()
+
+
+def test_auto_names_the_lstm_projection_that_forced_vmap():
+    engine = make_engine(Recurrent(nn.LSTM, batch_first=True, proj_size=2))
     assert engine.kind == "vmap"
-    assert engine.fallback_reason == "layer 'rnn' (LSTM) has no fast rule"
+    assert engine.fallback_reason == (
+        "layer 'rnn' (LSTM): proj_size > 0 is not covered by the fast rule"
+    )
+    engine.detach()
+
+
+def test_packed_batches_on_the_fast_engine_are_replayed_and_named():
+    torch.manual_seed(6)
+    model = Packed(nn.GRU, True, enforce_sorted=False)
+    engine = make_engine(model, "fast")
+    model(torch.randn(3, 4, 3), torch.tensor([4, 2, 3])).sum().backward()
+    engine.clip_and_accumulate(1.0, "sum")
+    assert engine.replayed_layers == {"rnn"}
     engine.detach()

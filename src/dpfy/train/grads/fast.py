@@ -110,7 +110,7 @@ class FastEngine(GradEngine):
         self.replayed_layers = set()
         for tap, call in calls:
             rule = self._rule(tap)
-            if counts[tap.name] > 1:  # only under replay_repeated (_check_calls refused it else)
+            if counts[tap.name] > 1 or rule.from_rows:  # repeated: only under replay_repeated
                 repeated.setdefault(tap.name, (tap, []))[1].append(call)
                 continue
             if call.compact is not None:
@@ -125,9 +125,8 @@ class FastEngine(GradEngine):
                 sq = rule.sq_norms(tap.module, prepared)
                 total = sq if total is None else total + sq
         for tap, tap_calls in repeated.values():
-            grouped = self._replayed_rows(tap, tap_calls, units)
+            grouped = self._example_rows(tap, tap_calls, units)
             self._pending.append((tap, self._rule(tap), tap_calls[0], grouped))
-            self.replayed_layers.add(tap.name)
             for rows in grouped.values():
                 sq = rows.sq_norms()
                 total = sq if total is None else total + sq
@@ -136,12 +135,20 @@ class FastEngine(GradEngine):
             total = total + self._cross_terms()
         return total
 
-    def _replayed_rows(self, tap: Tap, calls: list[Call], units: Units) -> dict[str, Rows]:
-        """Per-unit gradients of a layer called several times: each call replayed, summed."""
+    def _example_rows(self, tap: Tap, calls: list[Call], units: Units) -> dict[str, Rows]:
+        """Per-unit gradients from whole per-example gradients, summed over the layer's calls.
+
+        Each call's come from its rule (``example_rows``) or, where the rule has none for it (a
+        layer called twice, a packed batch), from replaying the call as the vmap engine does.
+        """
+        rule = self._rule(tap)
         summed: dict[str, Tensor] = {}
         with autocast_off(*self._devices):
             for call in calls:
-                grads = per_example_grads(tap, call, self.batch_dim(tap, call))
+                grads = rule.example_rows(tap.module, call) if rule.from_rows else None
+                if grads is None:
+                    grads = per_example_grads(tap, call, self.batch_dim(tap, call))
+                    self.replayed_layers.add(tap.name)
                 for local, grad in grads.items():
                     rows = grad.to(compute_dtype(grad.dtype)).reshape(grad.shape[0], -1)
                     summed[local] = summed[local] + rows if local in summed else rows

@@ -67,6 +67,20 @@ class LayerRule:
         """
         return None
 
+    #: Whether the rule gives whole per-example gradients from the raw call (``example_rows``)
+    #: instead of ``sq_norms`` and ``clipped_sum`` on a prepared one (recurrent layers, whose
+    #: tensors do not share one batch dim).
+    from_rows: ClassVar[bool] = False
+
+    @staticmethod
+    def example_rows(layer: nn.Module, call: Call) -> dict[str, Tensor] | None:
+        """Per-example gradients (B, *shape) by name, from the call as captured (``from_rows``).
+
+        None: the rule cannot read this call (e.g. a packed batch); the engine then forms the
+        call's per-example gradients by replaying it, as the vmap engine does.
+        """
+        return None
+
     @staticmethod
     def sq_norms(layer: nn.Module, call: Call) -> Tensor:
         """Per-unit squared gradient norms over the layer's own trainable parameters."""
