@@ -20,7 +20,13 @@ Contract for the optimizer that consumes an engine
     Attaches hooks (and, for ``nn.MultiheadAttention``, an exact substitute: see below).
     ``engine.kind`` is ``"fast"`` or ``"vmap"``; under ``"auto"``, ``engine.fallback_reason``
     names the first layer that forced ``"vmap"`` (None otherwise). ``"fast"`` on a model it cannot
-    run raises ``ValueError`` naming the layer. ``batch_first=False`` for sequence-first models:
+    run raises ``ValueError`` naming the layer. A layer called more than once in a forward pass
+    is only seen when it runs: under ``"auto"`` the fast engine then forms that layer's
+    per-example gradients as the vmap engine does (``engine.replayed_layers`` names it) and
+    keeps its rules for the rest; an explicit ``"fast"`` refuses it. A parameter carrying a
+    gradient hook (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``) is refused
+    (at ``make_engine``, or at the step when added later): no engine runs it per example.
+    ``batch_first=False`` for sequence-first models:
     sequence tensors are then (T, B, ...) (token indices (T, B)); pooled (B, d) features and
     channels-first layers (convolutions, GroupNorm) keep the batch first.
 
@@ -82,20 +88,35 @@ Engines
     leading dims), ``nn.Conv1d``, ``nn.Conv2d`` (stride, padding incl. "same" and non-zero
     modes, dilation, groups), ``nn.Embedding`` (``padding_idx``; not ``scale_grad_by_freq``),
     ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm1d/2d/3d`` (affine, no
-    running statistics), attention's input projection, and Hugging Face's ``Conv1D`` (GPT-2;
-    registered by name, so transformers is never imported). ``nn.MultiheadAttention`` is
+    running statistics), attention's input projection, Hugging Face's ``Conv1D`` (GPT-2;
+    registered by name, so transformers is never imported), and ``nn.RNN``, ``nn.GRU``,
+    ``nn.LSTM`` (any ``batch_first``, stacked, bidirectional; per-example gradients from one
+    unrolled replay of the batch, :mod:`dpfy.train.grads.rules.recurrent`; packed batches are
+    replayed as the vmap engine does; ``proj_size`` is left to vmap). ``nn.MultiheadAttention`` is
     replaced while attached by :class:`~dpfy.train.grads.substitutions.DPMultiheadAttention`, an
     exact equivalent built from hookable projections holding the *same* Parameters, so
     ``nn.TransformerEncoder`` runs on the fast engine (``add_bias_kv`` is not supported). A
     parameter shared by several layers (tied input and output embeddings) is clipped by the norm
     of its summed gradient (:mod:`dpfy.train.grads.shared`) when every layer's rule can factor
-    it (Linear, Embedding, Conv1D); otherwise, and for a layer called twice in one forward pass,
-    ``fast`` refuses and ``auto`` picks ``vmap``.
+    it (Linear, Embedding, Conv1D); otherwise ``fast`` refuses and ``auto`` picks ``vmap``. A
+    layer called twice in one forward pass is refused by ``fast`` and, under ``auto``, replayed
+    per example as ``vmap`` does (the other layers keep their rules).
 ``vmap`` (:mod:`dpfy.train.grads.vmap`): any layer that acts on each example separately; per-example
     gradients of each layer's own parameters from ``torch.func`` (``vmap`` of ``vjp`` through
     ``functional_call``), one layer at a time, summed across repeated calls and shared
     parameters; the clipped sum is one batched ``vjp`` with weighted output gradients. Memory
     grows with batch × the largest layer. The general fallback and the tests' second reference.
+    Each call is replayed with its keyword arguments and whatever holds its inputs (dicts,
+    lists), each tensor's batch dim read from the layer where the layer fixes it (recurrent
+    layers' states are (layers·directions, B, H)), a packed batch of sequences one length at a
+    time (:mod:`dpfy.train.grads.replay`, :mod:`dpfy.train.grads.recurrent`); a layer's own
+    forward hooks are not run again (the engine captured the output of its ``forward``, so a
+    user's hook that rescales it stays part of the model downstream). A layer that owns
+    parameters and has children (a ViT's ``x + self.pos_embed`` then ``nn.Dropout``) replays
+    the dropout masks its forward drew (:mod:`dpfy.train.grads.dropout`); other random draws in
+    a replayed forward (a functional dropout) are refused naming the layer, as is a
+    ``PackedSequence`` handed to a layer other than nn.RNN/GRU/LSTM, and a recurrent layer's
+    own dropout between stacked layers in training mode.
 
 Adding a layer type: subclass :class:`LayerRule` (``sq_norms``, ``clipped_sum``, optionally
 ``per_example_grads`` and ``add_clipped_sum``), decorate it with ``@register_rule(MyLayer)``,
