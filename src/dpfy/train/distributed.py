@@ -521,7 +521,8 @@ def _row_sharded(param: Tensor | None) -> bool:
 
 
 def _reduce_scatter(output: Tensor, flat: Tensor) -> None:
-    work = dist.reduce_scatter_tensor(output, flat, op=dist.ReduceOp.SUM)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = scatter(output, flat, op=dist.ReduceOp.SUM)
     if work is not None:
         work.wait()
 
