@@ -235,7 +235,7 @@ def test_options_given_with_config_override_the_replayed_ones(tmp_path):
         ('{"command": "federated", "rounds": 3}', "holds no `dpfy train` settings"),
         ('{"command": "train", "epochz": 3}', "does not know (epochz)"),
         ('{"command": "train", "epochs": "three"}', "epochs is 'three', not float"),
-        ("not json", "not a readable JSON file"),
+        ("not json", "is not valid JSON"),
     ],
 )
 def test_a_config_that_is_not_a_train_config_is_one_line(tmp_path, content, needle):
