@@ -13,6 +13,8 @@ from dpfy._lazy import lazy_exports
 _LAZY = {
     "StepSettings": "dpfy.audit.observe",
     "audit_private_step": "dpfy.audit.whitebox",
+    "audit_user_model": "dpfy.audit.user_model",
+    "fdp_audit": "dpfy.audit.fdp",
     "insert_canaries": "dpfy.audit.blackbox",
     "score_canaries": "dpfy.audit.blackbox",
 }

@@ -39,6 +39,14 @@ SCOPES = {
         "the run's privacy plan applied by dpfy's private step to a canary model, not the "
         "run's own model, loss or data pipeline",
     ),
+    "user-model": Scope(
+        "your own model, loss and collate (a copy of the model), with the run's σ and C, in "
+        "one full-batch step of dpfy's private step, with and without an input canary — so a "
+        "coupling between examples in your code shows as ε̂ above the claim",
+        "sampling and the steps of the run (the step is full-batch and repeated from the same "
+        "model), and data beyond the records the audit used",
+        "your own model, loss and collate in one full-batch private step",
+    ),
     "re-trained-run": Scope(
         "a fresh re-run of the run's configuration (its dataset, model, mean cross-entropy "
         "loss, sampler, σ, C and steps) through dpfy's private training with input-space "

@@ -167,9 +167,12 @@ def _best_threshold(scores_in: np.ndarray, scores_out: np.ndarray, q: float, c: 
     fp = scores_out.size - np.searchsorted(sorted_out, candidates, side="left")
     tail = min(PILOT_TAIL, (1.0 - c) / 2.0)
     mu = refuted_mu(_upper(fp, scores_out.size, tail), _upper(fn, scores_in.size, tail), q)
-    enough = (fp >= MIN_ERRORS) & (fn >= MIN_ERRORS)
+    least = min(MIN_ERRORS, math.ceil(0.05 * min(scores_in.size, scores_out.size)))
+    enough = (fp >= least) & (fn >= least)
     if enough.any():
         mu = np.where(enough, mu, -1.0)
+    if mu.max() <= 0.0:  # the pilot refutes nothing: the midpoint, best for a Gaussian shift
+        return float((np.median(scores_in) + np.median(scores_out)) / 2.0)
     return float(candidates[int(np.argmax(mu))])
 
 
