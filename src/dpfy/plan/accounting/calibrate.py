@@ -22,6 +22,9 @@ from dpfy.plan.accounting.events import DpEvent, NeighbouringRelation, dpsgd_eve
 #: Noise multipliers above this are treated as "cannot be reached" (the model would learn nothing).
 MAX_NOISE_MULTIPLIER = 1e4
 MIN_NOISE_MULTIPLIER = 1e-3
+#: Largest target ε calibrated: far above any meaningful guarantee, and below where e^ε and the
+#: accountants' loss grids overflow (a target of 1e308 used to end in "σ … got nan").
+MAX_TARGET_EPSILON = 1e4
 
 
 class CalibrationError(ValueError):
@@ -49,7 +52,9 @@ def _log_gap(
     @functools.cache
     def gap(log_sigma: float) -> float:
         value = epsilon(event_for(math.exp(log_sigma)))
-        return math.log(max(value, 1e-300)) - math.log(target)
+        # An unbounded ε (losses beyond what e^ε can hold) is "far above": finite, so the root
+        # search brackets the jump to it instead of returning NaN.
+        return math.log(min(max(value, 1e-300), 1e300)) - math.log(target)
 
     return gap
 
@@ -85,6 +90,12 @@ def smallest_noise_multiplier(
     predicts it, and a bracket of width ``rtol`` around the prediction confirms it.
     """
     target_epsilon = check_positive("target_epsilon", target_epsilon)
+    if target_epsilon > MAX_TARGET_EPSILON:
+        raise CalibrationError(
+            f"target_epsilon {target_epsilon:g} is beyond any guarantee the accountant resolves "
+            f"(a privacy loss of e^{target_epsilon:g}); pass a target of at most "
+            f"{MAX_TARGET_EPSILON:g} (an ε above 10 already promises little)"
+        )
     delta = check_delta(delta)
     coarse = _log_gap(
         _epsilon_function(accountant, delta, relation, search=True), event_for, target_epsilon

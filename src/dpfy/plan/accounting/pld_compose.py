@@ -43,6 +43,11 @@ _CHEAP_T_GRID = np.geomspace(1e-2, 1e3, 8)
 #: Chernoff exponents, relative to the window's, of the bound on the mass above the window:
 #: any t > 0 gives a valid bound, and the window's own optimum keeps it tight and cheap.
 _TAIL_TS = np.array([1.0])
+#: Most grid points one leaf is discretised on: bounds the accountant's time and memory however
+#: small σ is (a coarser grid is still a dominating, pessimistic discretisation).
+MAX_LEAF_POINTS = 1 << 21
+#: Fewest points of the composed window (a coarsened grid can make it very short).
+_MIN_WINDOW_POINTS = 64
 #: Leaf spectra computed together (bounds the FFT buffers at a few tens of MB).
 _FFT_BUFFER = 1 << 21
 
@@ -58,7 +63,8 @@ def compose_directions(
     lo, hi, t_hi, spacing = (_many_leaves if many else _few_leaves)(
         directions, counts, bounds, precision
     )
-    size = round(max(hi - lo, 1e-9) * 1.1 / spacing)
+    spacing = _bounded_leaf_spacing(spacing, bounds)
+    size = max(round(max(hi - lo, 1e-9) * 1.1 / spacing), _MIN_WINDOW_POINTS)
     # The window in grid indices; the mass above it is bounded rigorously and counted in δ.
     start = math.floor((lo - 0.05 * (hi - lo)) / spacing)
     ts = t_hi * _TAIL_TS
@@ -70,6 +76,20 @@ def compose_directions(
 
 
 Setup = tuple[float, float, float, float]
+
+
+def _bounded_leaf_spacing(spacing: float, bounds: list[tuple[float, float]]) -> float:
+    """``spacing``, coarsened where a leaf's kept loss range would need more than
+    :data:`MAX_LEAF_POINTS` grid points.
+
+    A tiny σ (e.g. calibrated for a δ near 1) makes a step's privacy loss range span hundreds
+    of nats while its typical spread, which sets the spacing, is minute: at σ = 0.008 the leaf
+    grid held 10⁸–10⁹ points (a minute and gigabytes for three steps). Connect-the-dots on any
+    lattice dominates the true pair (Doroshenko et al. 2022), so a coarser grid only loosens the
+    bound: ε is never under-reported.
+    """
+    widest = max((top - bottom for bottom, top in bounds), default=0.0)
+    return max(spacing, widest / MAX_LEAF_POINTS)
 
 
 def _grid(width: float, spread: float, precision: PldPrecision) -> float:
