@@ -223,3 +223,16 @@ def test_detach_removes_the_accumulation_hook():
     private = run()
     net = private.detach()
     assert not net._forward_pre_hooks
+
+
+def test_zero_grad_between_the_forward_and_backward_pass_keeps_the_step_exact():
+    # Lightning's closure: forward, then optimizer.zero_grad(), then backward.
+    usual, lightning_order = run(), run()
+    usual.optimizer.noise = lightning_order.optimizer.noise = ZeroNoise()
+    train_whole(usual)
+    for x, y in lightning_order.loader:
+        loss = nn.functional.cross_entropy(lightning_order.model(x), y)
+        lightning_order.optimizer.zero_grad()
+        loss.backward()
+        lightning_order.optimizer.step()
+    torch.testing.assert_close(flat(lightning_order.model), flat(usual.model), rtol=0, atol=0)

@@ -127,3 +127,10 @@ def test_a_trainer_checkpoint_resume_and_max_steps_are_refused(tmp_path):
     with pytest.raises(ValueError, match="no privacy ledger"):
         run.train(resume_from_checkpoint=str(tmp_path))
     assert run.private.ledger.steps == 0
+
+
+def test_a_launch_of_several_processes_is_refused(tmp_path, monkeypatch):
+    # The Trainer would wrap the model in DDP; one private run per process is not one ledger.
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="one process"):
+        trainer(gpt2(), arguments(tmp_path))

@@ -116,3 +116,11 @@ def test_a_plain_optimizer_from_configure_optimizers_is_refused():
     with pytest.raises(ValueError, match=r"run\.optimizer"):
         fit(module)
     assert module.run.private.ledger.steps == 0
+
+
+def test_a_fit_over_more_processes_than_the_private_run_is_refused(monkeypatch):
+    module = prepared(2)
+    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="processes"):
+        fit(module)
+    assert module.run.private.ledger.steps == 0

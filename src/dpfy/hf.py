@@ -72,6 +72,13 @@ class DPTrainer(Trainer):
                 "DPTrainer runs the planned steps of num_train_epochs epochs; leave max_steps "
                 "unset and choose num_train_epochs"
             )
+        if args.world_size > 1:
+            raise ValueError(
+                f"DPTrainer runs in one process for now, but this launch has {args.world_size} "
+                "(the Trainer would wrap the model in DDP and average unclipped gradients); "
+                "train across processes with dpfy.make_private and your own loop "
+                "(docs/distributed.md), or launch one process"
+            )
         # The Trainer's own clipping of the (already private) batch gradient is not DP clipping.
         args = dataclasses.replace(args, max_grad_norm=0.0)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **trainer_options)

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from dpfy.train.builder import make_private as _make_private
-from dpfy.train.distributed import unwrap_ddp
 from dpfy.train.optim import DPOptimizer
 from dpfy.train.session import PrivateTraining
 from dpfy.train.virtual import AccumulationPieces
@@ -80,9 +79,6 @@ class DPCallback(pl.Callback):
             )
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         loop.output_result_cls = _PieceMean
-        strategy_model = getattr(trainer.strategy, "model", None)
-        if isinstance(strategy_model, nn.parallel.DistributedDataParallel):
-            unwrap_ddp(strategy_model)  # dpfy sums the clipped, noised gradients itself
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         """Clip the piece just backpropagated into the step's sum."""
@@ -111,6 +107,13 @@ def _fit_problems(trainer: Any, private: PrivateTraining, pieces: int) -> list[s
         problems.append(
             "gradient_clip_val is set: Lightning would clip the already private batch gradient; "
             "the per-example clip norm is make_private's max_grad_norm"
+        )
+    if trainer.world_size != private.replicas.world_size:
+        problems.append(
+            f"the fit runs {trainer.world_size} processes but the private run was made for "
+            f"{private.replicas.world_size} (Lightning starts its process group inside fit, "
+            "after make_private); train in one process, or across processes with "
+            "dpfy.make_private and your own loop"
         )
     optimizers = list(trainer.optimizers)
     if len(optimizers) != 1 or _unwrapped(optimizers[0]) is not private.optimizer:

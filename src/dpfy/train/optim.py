@@ -339,9 +339,12 @@ class DPOptimizer(torch.optim.Optimizer):
         """Clear the gradients and what the layers captured since the last clip.
 
         ``zero_grad`` means "forget the gradients computed so far": a stray backward pass
-        (a validation loss) followed by it leaves nothing the next step could mix in.
+        (a validation loss) followed by it leaves nothing the next step could mix in. Captures
+        no backward pass has reached yet are kept: loops such as Lightning's run the forward
+        pass, then ``zero_grad``, then the backward pass of the same batch.
         """
-        self.engine.discard_captures()
+        if self.engine.batch_stamps():  # a backward pass reached them: its gradients go
+            self.engine.discard_captures()
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
