@@ -137,3 +137,25 @@ def test_report_json_is_the_json_format(tmp_path):
     code, stdout, _ = dpfy("report", str(run), "--json")
     assert code == 0 and stdout == dpfy("report", str(run), "--format", "json")[1]
     assert json.loads(stdout)["format"] == "dpfy.report.render"
+
+
+def test_finetune_json_prints_the_run(tmp_path):
+    pytest.importorskip("transformers")
+    from dpfy.data.text_datasets import RT_FILE
+    from test_finetune import tiny_classifier, tiny_tokenizer, write_snippets
+
+    model_dir, data_dir = tmp_path / "tiny-bert", tmp_path / "rt"
+    tiny_classifier(seed=1).encoder.save_pretrained(model_dir)
+    (tmp_path / "vocab").mkdir()
+    tiny_tokenizer(tmp_path / "vocab").save_pretrained(model_dir)
+    data_dir.mkdir()
+    write_snippets(data_dir / RT_FILE, 2200)
+    out = tmp_path / "run"
+    code, stdout, stderr = dpfy(
+        "finetune", "--model-dir", str(model_dir), "--data-dir", str(data_dir), "--epochs", "1",
+        "--batch-size", "40", "--limit", "80", "--max-length", "8", "--out", str(out), "--json",
+    )  # fmt: skip
+    assert code == 0, stderr
+    document = json.loads(stdout)  # one JSON object, no progress text on stdout
+    assert document["run_dir"] == str(out) and document["report"] == str(out / "report.md")
+    assert 0 < document["epsilon"] <= 8.0 and 0 <= document["test_accuracy"] <= 1
