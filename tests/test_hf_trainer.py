@@ -134,3 +134,14 @@ def test_a_launch_of_several_processes_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
     with pytest.raises(ValueError, match="one process"):
         trainer(gpt2(), arguments(tmp_path))
+
+
+def test_empty_pieces_of_a_small_poisson_batch_are_steps_all_the_same(tmp_path):
+    # B = 4 cut into 4 pieces: most pieces hold 0 or 1 example, and some batches none at all.
+    args = arguments(tmp_path, accumulation=4, per_device_train_batch_size=1)
+    run = trainer(gpt2(), args, Tokens(n=24))
+    sizes = [len(piece["input_ids"]) for piece in run.get_train_dataloader()]
+    assert 0 in sizes
+    run = trainer(gpt2(), args, Tokens(n=24))
+    run.train()
+    assert run.private.ledger.steps == run.private.plan.steps == 6
