@@ -6,8 +6,18 @@ import math
 import operator
 
 
+def _not_a_number(name: str, value: object) -> None:
+    """Strings and bools are refused where a number is meant: ``"3"`` or ``True`` is a caller's
+    mistake (a value read from text, a flag passed in the wrong place), never coerced."""
+    if isinstance(value, (str, bytes, bool)):
+        raise ValueError(
+            f"{name} must be a number, got {value!r} ({type(value).__name__}); pass a number"
+        )
+
+
 def check_finite(name: str, value: float) -> float:
     """Reject NaN and ±inf early, so no accountant ever reasons about them."""
+    _not_a_number(name, value)
     try:
         value = float(value)
     except (TypeError, ValueError):
@@ -42,7 +52,10 @@ def check_positive(name: str, value: float) -> float:
 
 
 def check_count(name: str, value: int, *, minimum: int = 0) -> int:
-    """Require a whole count such as a number of steps (bools and fractional floats refused)."""
+    """Require a whole count such as a number of steps (bools, strings and fractional floats
+    refused)."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r} (a string)")
     try:
         whole = not isinstance(value, bool) and float(value).is_integer()
     except OverflowError:  # an int too large for a float is still whole

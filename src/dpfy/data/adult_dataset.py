@@ -70,7 +70,7 @@ def _load_adult(options: LoadOptions) -> LoadedDataset:
     train_file, test_file = _adult_files(options.data_dir)
     train = _read_adult(train_file)
     if test_file is None:
-        parts = _split(_adult.encode(train), train.labels, options.limit)
+        parts = _split(_adult.encode(train), train.labels, options.limit, f"adult: {train_file}")
         x_train, x_test, y_train, y_test = parts
         split, source = _STRATIFIED, f"{train_file}"
     else:

@@ -3,6 +3,7 @@ loaders share, so each split and scaling is recorded the same way (guide §5.5.1
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,11 +120,31 @@ def _head(array: np.ndarray, limit: int | None) -> np.ndarray:
     return array if limit is None else array[:limit]
 
 
+def _check_splittable(labels: np.ndarray, where: str) -> None:
+    """Refuse, naming the fix, rows too few for the stratified split (instead of scikit-learn's
+    own message about ``test_size`` or ``n_splits``)."""
+    classes, counts = np.unique(labels, return_counts=True)
+    rows = len(labels)
+    test = math.ceil(TEST_FRACTION * rows)
+    if rows and counts.min() >= 2 and len(classes) <= test <= rows - len(classes):
+        return
+    found = ", ".join(f"{n} of class {c}" for c, n in zip(classes, counts, strict=True)) or "none"
+    need = max(2 * max(len(classes), 2), math.ceil(max(len(classes), 2) / TEST_FRACTION))
+    raise ValueError(
+        f"{where}: {rows} data rows ({found}) are too few for the stratified "
+        f"{1 - TEST_FRACTION:.0%}/{TEST_FRACTION:.0%} train/test split, which needs at least 2 "
+        f"rows of each class and a test part holding every class; supply at least {need} rows "
+        "with every class at least twice, or a separate test file"
+    )
+
+
 def _split(
-    features: np.ndarray, labels: np.ndarray, limit: int | None
+    features: np.ndarray, labels: np.ndarray, limit: int | None, where: str = "the dataset"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The fixed stratified 80/20 split (seed :data:`SPLIT_SEED`), each part cut to ``limit``."""
     from sklearn.model_selection import train_test_split
+
+    _check_splittable(labels, where)
 
     x_train, x_test, y_train, y_test = train_test_split(
         features, labels, test_size=TEST_FRACTION, stratify=labels, random_state=SPLIT_SEED

@@ -35,8 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpfy._safe_io import read_json
 from dpfy._validate import check_seed
 from dpfy.audit.correlated import seconds_per_step as factorised_seconds_per_step
+from dpfy.audit.fdp import check_fdp_applies
+from dpfy.audit.fdp import seconds_per_step as fdp_seconds_per_step
 from dpfy.audit.observe import StepSettings, run_session
 from dpfy.audit.plots import write_audit_plots
 from dpfy.audit.result import AuditResult
@@ -45,6 +48,7 @@ from dpfy.audit.whitebox import (
     audit_private_step,
     audit_steps,
     check_independent_trials,
+    chosen_method,
     design_for,
 )
 from dpfy.jobs.blackbox_audit import BlackBoxRun, plan_blackbox, run_blackbox
@@ -59,7 +63,7 @@ AUDIT_FILE = "audit.json"
 #: Where the plots of each audit's scores go, inside the run directory.
 PLOTS_DIR = "audit"
 #: What ``--method`` may name.
-AUDIT_METHODS = ("classical", "one-run", "both", "black-box")
+AUDIT_METHODS = ("auto", "f-dp", "classical", "one-run", "one-run-f-dp", "both", "black-box")
 #: The top-level key of facts.json where training records its behaviour checks.
 CHECKS_KEY = "behaviour_checks"
 #: ``--blocks`` when not given: trials of one step or epoch, or whole re-runs (BandMF, BLT).
@@ -69,14 +73,18 @@ DEFAULT_BLOCKS = 200
 MAX_BLOCKS = 100_000
 MAX_CANARIES = 100_000
 DEFAULT_FACTORISED_BLOCKS = 10
+#: ``--canaries`` when not given; the f-DP step audit's canaries in (and out) per step, steps.
+DEFAULT_CANARIES = 100
+DEFAULT_FDP_CANARIES = 10_000
+DEFAULT_FDP_STEPS = 100
 
 
 @dataclass(frozen=True)
 class AuditConfig:
     """What ``dpfy audit`` was asked: method, canaries, trials (blocks), confidence, seed."""
 
-    method: str = "classical"
-    canaries: int = 100
+    method: str = "auto"
+    canaries: int = DEFAULT_CANARIES
     blocks: int = DEFAULT_BLOCKS
     probes: int = 64
     confidence: float = 0.95
@@ -210,6 +218,32 @@ def default_blocks(facts: RunFacts) -> int:
     return DEFAULT_BLOCKS
 
 
+def default_method(facts: RunFacts) -> str:
+    """``--method auto``: the f-DP step audit where it applies (Poisson DP-SGD under
+    add-or-remove: ε̂ near ε in seconds), else the classical audit."""
+    try:
+        check_fdp_applies(StepSettings.from_plan(facts.privacy))
+    except ValueError:
+        return "classical"
+    return "f-dp"
+
+
+def resolved(
+    config: AuditConfig, facts: RunFacts, *, canaries_given: bool, blocks_given: bool
+) -> AuditConfig:
+    """``config`` with "auto" and the options not given filled in for this run."""
+    method = default_method(facts) if config.method == "auto" else config.method
+    fdp = method == "f-dp"
+    canaries = DEFAULT_FDP_CANARIES if fdp else DEFAULT_CANARIES
+    blocks = DEFAULT_FDP_STEPS if fdp else default_blocks(facts)
+    return dataclasses.replace(
+        config,
+        method=method,
+        canaries=config.canaries if canaries_given else canaries,
+        blocks=config.blocks if blocks_given else blocks,
+    )
+
+
 def load_run(run_dir: Path) -> RunFacts:
     """The run's facts (ε recomputed from its ledger), or one error naming the fix."""
     if not (run_dir / FACTS_FILE).is_file():
@@ -221,6 +255,7 @@ def load_run(run_dir: Path) -> RunFacts:
             )
         raise ValueError(f"{run_dir} holds no {FACTS_FILE}; pass a run directory of `dpfy train`")
     path = run_dir / FACTS_FILE
+    read_json(path, "facts")  # bounded and regular-file only: a FIFO or device is one line
     data = _facts_json(path)
     if CHECKS_KEY not in data or CHECKS_KEY in {f.name for f in dataclasses.fields(RunFacts)}:
         return RunFacts.load(path)
@@ -250,8 +285,6 @@ def behaviour_checks(run_dir: Path) -> BehaviourChecks | None:
 
 def _facts_json(path: Path) -> dict:
     """facts.json as plain JSON; {} when unreadable (RunFacts.load words that error)."""
-    from dpfy._safe_io import read_json
-
     try:
         data = read_json(path, "facts")
     except (OSError, ValueError):
@@ -274,9 +307,11 @@ def plan_cost(facts: RunFacts, config: AuditConfig, run_dir: Path | None = None)
     settings = StepSettings.from_plan(facts.privacy)
     if "classical" in config.methods:
         check_independent_trials(settings)
-    canaries = fitted_canaries(settings, config.canaries)
+    fdp_only = tuple(chosen_method(settings, m) for m in config.methods) == ("f-dp",)
+    canaries = config.canaries if fdp_only else fitted_canaries(settings, config.canaries)
     steps = sum(audit_steps(settings, m, config.blocks) for m in config.methods)
-    seconds = steps * _seconds_per_step(settings, canaries)
+    per_step = fdp_seconds_per_step(settings, canaries) if fdp_only else None
+    seconds = steps * (per_step or _seconds_per_step(settings, canaries))
     return AuditCost(settings, canaries, steps, seconds, behaviour_checks=checks)
 
 
@@ -420,10 +455,12 @@ __all__ = [
     "audit_in_progress",
     "behaviour_checks",
     "default_blocks",
+    "default_method",
     "fitted_canaries",
     "load_run",
     "lock_for_audit",
     "plan_cost",
     "record_audits",
+    "resolved",
     "run_audit",
 ]

@@ -308,6 +308,8 @@ def claim_for_resume(run_dir: Path) -> dict[str, Any] | None:
     from dpfy.jobs.run_lock import audit_in_progress
 
     if not (run_dir / CHECKPOINT_FILE).is_file():
+        if (run_dir / CHECKPOINT_FILE).exists():
+            check_regular_file(run_dir / CHECKPOINT_FILE, "checkpoint")  # a FIFO, a device
         if not run_dir.is_dir():
             raise ValueError(f"--resume {run_dir} is not a directory; pass a run directory")
         raise ValueError(no_checkpoint(run_dir))

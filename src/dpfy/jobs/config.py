@@ -153,6 +153,11 @@ def check_config(config: TrainConfig) -> None:
             )
     if config.max_examples_per_user is not None:
         check_count("max_examples_per_user", config.max_examples_per_user, minimum=1)
+        if config.unit != "user":
+            raise ValueError(
+                "--max-examples-per-user caps a sampled user's examples, so it needs --unit user; "
+                "drop it, or pass --unit user"
+            )
     if config.algorithm not in ALGORITHM_NAMES:
         raise ValueError(
             f"algorithm must be one of {', '.join(ALGORITHM_NAMES)}; got {config.algorithm!r}"
@@ -186,6 +191,14 @@ def _check_own_data(config: TrainConfig) -> None:
         )
 
 
+#: Why --features-public means nothing under each other access model.
+_FEATURES_COVERED = {
+    "full": "protects the features with the labels",
+    "input": "randomises the features themselves",
+    "prediction": "protects the whole training set behind the answers",
+}
+
+
 def _check_access(config: TrainConfig) -> None:
     """The access model is known, and its options belong to it (label: mechanism, stages)."""
     if config.access not in ACCESS_NAMES:
@@ -198,6 +211,17 @@ def _check_access(config: TrainConfig) -> None:
     check_count("stages", config.stages, minimum=1)
     if config.stages > 1 and (config.access != "label" or config.label_mechanism != "rr-prior"):
         raise ValueError("--stages applies to --access label --label-mechanism rr-prior only")
+    if config.access != "label" and config.label_mechanism != "rr":
+        raise ValueError(
+            f"--label-mechanism applies to --access label only (--access {config.access} "
+            "randomises no labels); drop it, or pass --access label"
+        )
+    if config.access != "label" and config.features_public:
+        raise ValueError(
+            f"--features-public applies to --access label only (it declares the features that "
+            f"label-only DP leaves unprotected public; --access {config.access} "
+            f"{_FEATURES_COVERED.get(config.access, 'does not use it')}); drop it"
+        )
     if config.access in ("label", "input") and (config.unit, config.algorithm) != (
         "example",
         "dp-sgd",

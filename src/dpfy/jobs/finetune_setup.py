@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -95,18 +97,58 @@ def _cached(
     )
 
 
+T = TypeVar("T")
+
+
+def _check_positions(source: PretrainedSource, max_length: int) -> None:
+    """``--max-length`` within the model's positions, and its config.json readable JSON (read
+    bounded: a FIFO or device is one line), before anything is tokenised."""
+    from dpfy._safe_io import read_json
+
+    path = Path(source.path) / "config.json"
+    if not path.exists():
+        return  # a bundled model without one: the loader words what is missing
+    document = read_json(path, "model config")
+    if not isinstance(document, dict):
+        raise ValueError(f"model config {path} is not a JSON object; pass an intact model")
+    positions = document.get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool) and max_length > positions:
+        raise ValueError(
+            f"--max-length {max_length} exceeds the {positions} positions {source.name} was "
+            f"pretrained with ({path}); pass --max-length {positions} or less"
+        )
+
+
+def _loaded(load: Callable[[], T], source: PretrainedSource, what: str) -> T:
+    """Load the model's tokenizer or weights; a truncated or malformed file is one line."""
+    try:
+        return load()
+    except ValueError as err:
+        if "fine-tuning needs" in str(err):
+            raise
+        reason = " ".join(str(err).split())[:200]
+    except Exception as err:  # transformers, safetensors, tokenizers and json all raise their own
+        reason = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    raise ValueError(
+        f"cannot load the {what} of {source.name} from {source.path} ({reason}); pass an intact "
+        "Hugging Face model directory (config.json, the weights and the tokenizer files)"
+    )
+
+
 def prepare(config: FinetuneConfig, on_progress: OnProgress | None = None) -> Prepared:
     """Load, tokenise, freeze and (for last-N and head) cache: everything before training."""
     source = pretrained_source(config.model, config.model_dir)
+    _check_positions(source, config.max_length)
     data = rotten_tomatoes(
-        load_tokenizer(source),
+        _loaded(lambda: load_tokenizer(source), source, "tokenizer"),
         tokenizer_name=source.name,
         max_length=config.max_length,
         data_dir=config.data_dir,
         limit=config.limit,
     )
     torch.manual_seed(public_seed(config.seed))  # head and adapters: public randomness
-    classifier = SequenceClassifier(load_encoder(source), data.num_classes)
+    encoder = _loaded(lambda: load_encoder(source), source, "weights")
+    classifier = SequenceClassifier(encoder, data.num_classes)
     return prepare_classifier(classifier, source, data, config, on_progress)
 
 

@@ -70,6 +70,12 @@ def _refuse_occupied(path: Path) -> None:
         names = sorted(os.listdir(path))
     except OSError as err:
         raise _unwritable(path, err) from None
+    running = _status(path).get("status") == "running"
+    if running:
+        raise ValueError(
+            f"--out {path} holds a run that is still running (or died without a status: see "
+            f"{path / 'status.json'}); choose another --out directory for a new run"
+        )
     if _interrupted(path):
         raise ValueError(
             f"{path} holds an interrupted run; `dpfy train --resume {path}` continues it, or "
@@ -95,13 +101,20 @@ def _refuse_occupied(path: Path) -> None:
         )
 
 
+def _status(path: Path) -> dict:
+    """``path``'s status.json (bounded, regular file only), or {} where there is none."""
+    from dpfy._safe_io import read_json
+
+    try:
+        status = read_json(path / "status.json", "status file", limit=2**20)
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
 def _interrupted(path: Path) -> bool:
     """Whether ``path`` holds a run stopped part-way that ``--resume`` can continue."""
-    try:
-        status = json.loads((path / "status.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(status, dict) and status.get("status") == "interrupted"
+    return _status(path).get("status") == "interrupted"
 
 
 def prepare_run_dir(path: Path) -> Path:

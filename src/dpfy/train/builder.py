@@ -18,10 +18,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from dpfy._validate import check_delta, check_positive
+from dpfy._validate import check_delta, check_positive, check_seed
 from dpfy.data.check_schedule import CheckSchedule
 from dpfy.data.from_dataloader import unpack_dataloader
 from dpfy.data.loader import DPDataLoader, checked_loader_options
+from dpfy.plan.accounting import make_accountant
 from dpfy.plan.sampling import SamplingKind
 from dpfy.plan.variants import PlanRequest, make_plan
 from dpfy.train.behaviour.checks import BehaviourChecks
@@ -144,6 +145,8 @@ def make_private(
     whose values are public).
     """
     model = unwrap_ddp(model)  # dpfy sums the clipped, noised gradients across ranks itself
+    seed = check_seed(seed)  # a negative or fractional seed never reaches torch
+    make_accountant(accountant)  # an unknown name is refused whatever the sampler picks
     train_dataset, batch_size, options = unpack_dataloader(
         train_dataset, batch_size, checked_loader_options(loader_options)
     )
@@ -280,6 +283,11 @@ def check_common(
     Returns δ and C, checked.
     """
     check_model(model)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "the model has no trainable parameters (every requires_grad is False), so a private "
+            "step would have nothing to clip or noise; unfreeze the parameters to train"
+        )
     delta = check_delta(delta)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
     _check_optimizer_params(model, optimizer)

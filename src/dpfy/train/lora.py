@@ -42,6 +42,19 @@ def add_lora(
             f"no nn.Linear layer named {', '.join(targets)} found for LoRA; this model's "
             "attention projections have other names: choose another mode (last-N, full, head)"
         )
+    widths = {
+        path: min(module.in_features, module.out_features)
+        for path, module in model.named_modules()
+        if path in present and isinstance(module, nn.Linear)
+    }
+    narrowest = min(widths.values())
+    if rank > narrowest:
+        path = min(widths, key=widths.__getitem__)
+        raise ValueError(
+            f"LoRA rank {rank} exceeds the width of the layers it adapts ({path} is "
+            f"{narrowest} wide): a rank above min(in, out) adds parameters (and noise) without "
+            f"adding capacity; pass a rank of at most {narrowest}"
+        )
     from peft import LoraConfig, inject_adapter_in_model
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets))

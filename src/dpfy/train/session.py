@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpfy._safe_io import check_regular_file
 from dpfy.data.loader import DPDataLoader
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.train import report_seam
@@ -256,9 +257,12 @@ class PrivateTraining:
         two runs makes two releases of the steps after it, which spend twice.
         """
         try:
+            check_regular_file(Path(path), "checkpoint")  # a FIFO or device would never end
             state = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise ValueError(f"checkpoint {path} does not exist") from None
+        except ValueError:
+            raise
         except Exception as err:
             raise ValueError(
                 f"checkpoint {path} is corrupt or not a dpfy checkpoint ({type(err).__name__}); "
