@@ -230,3 +230,13 @@ def test_a_folder_of_class_subfolders_is_images_labelled_by_subfolder(tmp_path):
     Image.new("L", (12, 10)).save(folder / "dog" / "odd.png")
     with pytest.raises(ValueError, match=r"odd.png is 12×10, the first image 10×10; resize"):
         load_user_file(folder, "", "0:255")
+
+
+def test_the_help_shows_the_bounds_file_format_whole():
+    code, stdout, _ = dpfy_wide("train", "--help")
+    assert code == 0 and "FILE.json ({column: [low, high]})" in " ".join(stdout.split())
+
+
+def dpfy_wide(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "400"})
+    return result.exit_code, result.stdout, result.stderr

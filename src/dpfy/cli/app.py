@@ -325,8 +325,8 @@ _SEED_HELP = (
     "reproduce a run: torch.manual_seed does not reach sampling and noise. Default: OS "
     "entropy; init and splits use 0."
 )
-_BOUNDS = (
-    "LOW:HIGH (one public range for every feature, e.g. 0:255), FILE.json ({column: [low, "
+_BOUNDS = (  # "\\[": a literal bracket in help text, which rich would read as markup
+    "LOW:HIGH (one public range for every feature, e.g. 0:255), FILE.json ({column: \\[low, "
     "high]}), as-is (already on a public scale), or fit (standardise on the training rows: "
     "flagged as fitted on the private data)"
 )
