@@ -99,6 +99,12 @@ def _fsdp(out: Path) -> dict[str, Any]:
     batches = train(private)
     result = {"batches": batches, "params": full(private.model), "epsilon": private.epsilon()}
     result["steps"] = private.ledger.steps
+    result["model_probe"] = private.optimizer.behaviour.model.tally.skipped
+    try:
+        private_run(sharded(mlp()), engine="vmap")
+        result["vmap"] = "not refused"
+    except ValueError as err:
+        result["vmap"] = str(err)
     path = private.save(out / "fsdp.pt")
     resumed = private_run(sharded(mlp()), "adam")
     resumed.load(path)
@@ -229,3 +235,11 @@ def test_a_fully_sharded_update_carries_the_one_process_noise_per_coordinate(ran
     lo, hi = stats.chi2.ppf([1e-4, 1 - 1e-4], first.size)
     assert lo < statistic < hi  # noise per rank (W×) or per shard of a share (1/W×) is far out
     assert stats.normaltest(first).pvalue > 1e-4
+
+
+def test_a_sharded_model_needs_the_fast_engine_and_is_not_rerun_by_the_model_probe(ranks):
+    # vmap would re-run layers on their shards; a probe's re-run on one rank alone would wait on
+    # parameter gathers the other rank never joins.
+    for result in scenario(ranks, "fsdp"):
+        assert "fast engine only" in result["vmap"]
+        assert "sharded (FSDP2)" in result["model_probe"]

@@ -227,6 +227,7 @@ def make_private(
             criterion=criterion,
             public_buffers=public_buffers,
         )
+        replicas.prepare(grad_engine, behaviour)  # sharded models: fast engine, no model rerun
         private_optimizer = DPOptimizer(
             optimizer,
             grad_engine,

@@ -192,6 +192,9 @@ class SingleProcess:
     def verify_ledger(self, ledger: Any) -> None:
         """One ledger, trivially identical."""
 
+    def prepare(self, engine: Any, behaviour: Any) -> None:
+        """Nothing to adapt: the engine and every behaviour check run as in one process."""
+
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """The model's state dict as a checkpoint holds it."""
         return model.state_dict()
@@ -345,6 +348,7 @@ class ProcessGroupReplicas:
             for tensor in [*model.parameters(), *model.buffers()]:
                 self.run("broadcast of the initial model", lambda t=tensor: _broadcast(t))
 
+    prepare = SingleProcess.prepare
     model_state = SingleProcess.model_state
     load_model_state = SingleProcess.load_model_state
     optimizer_state = SingleProcess.optimizer_state
@@ -433,8 +437,31 @@ class ShardedReplicas(ProcessGroupReplicas):
         self._params = dict(model.named_parameters())
 
     def aggregator(self) -> GradientAggregator:
-        """All-reduce of the noised clipped sums, then this rank's shard of each."""
+        """Reduce-scatter of the noised clipped sums: this rank's shard of each."""
         return ShardedAggregator(self, self._params)
+
+    def prepare(self, engine: Any, behaviour: Any) -> None:
+        """Refuse an engine that re-runs layers; stop the model probe (it would hang).
+
+        Re-running a layer outside the model's own forward pass (the vmap engine) would use its
+        sharded parameters, and the model probe's re-run of the whole model on one rank would
+        wait for parameter gathers the other ranks, probing their own batches or none, never
+        join.
+        """
+        if engine.kind != "fast":
+            reason = f" ({engine.fallback_reason})" if engine.fallback_reason else ""
+            raise ValueError(
+                "a model sharded with fully_shard trains with the fast engine only (the vmap "
+                f"engine re-runs layers on their sharded parameters){reason}; pass "
+                "engine='fast' with layers that have fast rules, or train the model unsharded"
+            )
+        if behaviour is not None:
+            behaviour.model.remove()
+            behaviour.model.tally.skip(
+                "the model is sharded (FSDP2): re-running it on one rank would wait on the "
+                "other ranks' parameter gathers, so it was not probed; probe it unsharded in "
+                "one process (a short run without fully_shard) before training it sharded"
+            )
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """The full (unsharded) state dict, on the CPU (collective; rank 0's is the one written)."""
