@@ -65,7 +65,7 @@ def test_max_examples_per_user_is_the_field_name_and_the_old_spelling_still_work
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["audit", "RUN", "--method", "classic"], "'classic' is not one of classical"),
+        (["audit", "RUN", "--method", "classic"], "'classic' is not one of "),
         (["finetune", "--mode", "last-x"], "--mode"),
         (["finetune", "--mode", "everything"], "last-N"),
     ],
