@@ -114,6 +114,15 @@ def run_trials(
     return updates[:, :canaries], updates[:, canaries:], watched.epsilon_at_mark
 
 
+def seconds_per_step(settings: StepSettings, canaries: int) -> float:
+    """One audited step's time, timed on a short session after one to warm up (the estimate
+    ``dpfy audit`` states before it starts)."""
+    run_trials(settings, canaries, 2, 0)
+    start = time.perf_counter()
+    run_trials(settings, canaries, 4, 0)
+    return (time.perf_counter() - start) / 4
+
+
 def fdp_audit(
     settings: StepSettings,
     canaries: int = DEFAULT_CANARIES,
@@ -188,5 +197,6 @@ __all__ = [
     "fdp_audit",
     "fdp_notes",
     "run_trials",
+    "seconds_per_step",
     "trial_settings",
 ]

@@ -65,7 +65,7 @@ from scipy import special
 from dpfy.audit.bounds import bound_at_threshold, choose_threshold
 from dpfy.audit.canaries import CanaryDesign, coin_generator, out_mean
 from dpfy.audit.correlated import factorised_audit
-from dpfy.audit.fdp import fdp_audit
+from dpfy.audit.fdp import check_fdp_applies, fdp_audit
 from dpfy.audit.observe import Session, StepSettings, run_session
 from dpfy.audit.one_run_fdp import EventFamily, one_run_bound
 from dpfy.audit.result import AuditResult
@@ -102,11 +102,13 @@ def audit_private_step(
     after every audited step (:func:`audit_steps` of them: a progress bar); ``on_scores``
     receives the scores in and out that ε̂ came from (for the plots).
 
-    ``method="f-dp"`` (:mod:`dpfy.audit.fdp`) audits one Poisson-sampled DP-SGD step with
+    ``method="auto"`` is "f-dp" where it applies, else "classical". ``method="f-dp"``
+    (:mod:`dpfy.audit.fdp`) audits one Poisson-sampled DP-SGD step with
     ``canaries`` canaries in and as many out in each of ``blocks`` steps, every coordinate of
     every step a trial, and fits the claimed Gaussian tradeoff curve: ε̂ of one step, near the
     claim for a correct step (use 10⁴ canaries and 100 steps).
     """
+    method = chosen_method(settings, method)
     if method == "f-dp":
         return fdp_audit(settings, canaries, blocks, confidence, seed, on_step, on_scores)
     if settings.factorised:
@@ -132,10 +134,21 @@ def audit_private_step(
     )
 
 
+def chosen_method(settings: StepSettings, method: str) -> str:
+    """``method``, with "auto" chosen: the f-DP step audit where it applies, else classical."""
+    if method != "auto":
+        return method
+    try:
+        check_fdp_applies(settings)
+    except ValueError:
+        return "classical"
+    return "f-dp"
+
+
 def audit_steps(settings: StepSettings, method: str, blocks: int) -> int:
     """How many private steps an audit takes: two sessions (classical) or one (one-run, f-DP:
     there ``blocks`` counts steps)."""
-    if method == "f-dp":
+    if chosen_method(settings, method) == "f-dp":
         return blocks
     return (2 if method == "classical" else 1) * blocks * settings.steps_per_block
 
@@ -327,6 +340,7 @@ __all__ = [
     "audit_private_step",
     "audit_steps",
     "check_independent_trials",
+    "chosen_method",
     "classical_audit",
     "design_for",
     "one_run_audit",

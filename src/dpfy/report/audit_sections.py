@@ -34,6 +34,20 @@ NONE_RECORDED = (
     "No empirical audit is recorded for this run. An audit (dpfy.audit) attacks the run with "
     "canaries or membership inference and states a lower bound ε̂ on the ε the code really has."
 )
+WHAT_EPSILON_HAT_MEANS = (
+    "What ε̂ means: a lower bound, at the stated confidence, on the ε of the part of training "
+    "the audit ran (one step, one DP-FTRL epoch, one whole re-run, or one step of your own "
+    "model — each audit says which), found by attacking it with canaries: no smaller ε is "
+    "consistent with what the attack saw. It is compared with the ε the accounting claims for "
+    "that same part, not with the whole run's ε. ε̂ close to the claim says the claim is tight "
+    "and the code clips and adds noise as accounted; ε̂ above the claim says the code leaks "
+    "more than its accounting (a bug, or chance at most 1 − confidence of the time). What it "
+    "does not mean: ε̂ is not the run's privacy — the claimed ε is, and an audit can only show "
+    "it is too small; a small ε̂ does not prove the claim (a weak attack finds little); and an "
+    "audit says nothing about code it did not run. An f-DP audit's ε̂ assumes the audited "
+    "step's noise is Gaussian, as its claim says; its comparison of μ̂ with the claimed μ needs "
+    "no such assumption."
+)
 EVIDENCE_NOT_PROOF = (
     "ε̂ ≤ ε is evidence that the run is correct, not proof: an audit bounds ε from below, and an "
     "attack that finds little says nothing about attacks it did not try."
@@ -132,7 +146,8 @@ def _render_audits(data: dict[str, Any]) -> list[str]:
         lines.append(f"- **{row['method']}** ({row['method_description']}): {row['statement']}")
         lines += [f"  - audited: {row['audited']}", f"  - not audited: {row['not_audited']}"]
         lines += [f"  - {note}" for note in row["notes"]]
-    return [*lines, "", *checks, "", data["statement"]]
+    return [*lines, "", data.get("meaning", WHAT_EPSILON_HAT_MEANS), "", *checks, "",
+            data["statement"]]  # fmt: skip
 
 
 @section("empirical_audit", "Empirical audit", _render_audits)
@@ -157,7 +172,13 @@ def empirical_audit(
             "At least one audit found more leakage than the run claims: the claimed ε is not "
             "supported by the code that ran. " + EVIDENCE_NOT_PROOF
         )
-    return {"audits": rows, "any_exceeds_claim": exceeded, "statement": statement, **behaviour}
+    return {
+        "audits": rows,
+        "any_exceeds_claim": exceeded,
+        "statement": statement,
+        "meaning": WHAT_EPSILON_HAT_MEANS,
+        **behaviour,
+    }
 
 
 def run_behaviour_checks(facts: RunFacts) -> BehaviourChecks | None:
@@ -198,6 +219,7 @@ __all__ = [
     "EVIDENCE_NOT_PROOF",
     "NONE_RECORDED",
     "SECTIONS",
+    "WHAT_EPSILON_HAT_MEANS",
     "audit_exceeds_claim",
     "claimed_epsilon",
     "run_behaviour_checks",
