@@ -236,3 +236,20 @@ def test_zero_grad_between_the_forward_and_backward_pass_keeps_the_step_exact():
         loss.backward()
         lightning_order.optimizer.step()
     torch.testing.assert_close(flat(lightning_order.model), flat(usual.model), rtol=0, atol=0)
+
+
+def test_accumulate_on_the_closing_chunk_then_step_keeps_microbatch_units_exact():
+    # accumulate() after every chunk (the last included), then step() with nothing left to clip.
+    usual = run(microbatch_size=2, max_physical_batch_size=5)
+    late = run(microbatch_size=2, max_physical_batch_size=5)
+    usual.optimizer.noise = late.optimizer.noise = ZeroNoise()
+    for x, y in usual.loader:
+        backward(usual, x, y)
+        usual.optimizer.step()
+    for x, y in late.loader:
+        backward(late, x, y)
+        late.optimizer.accumulate()
+        if late.optimizer.boundary.closes_batch:
+            late.optimizer.step()
+    torch.testing.assert_close(flat(late.model), flat(usual.model), rtol=1e-6, atol=1e-7)
+    assert late.ledger.steps == usual.ledger.steps == 6

@@ -298,8 +298,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self.aggregator.skip()
 
     def _units(self, batch: DrawnBatch) -> torch.Tensor | None:
-        """The clipping unit of each example of the physical chunk being processed."""
-        if batch.units is None:
+        """The clipping unit of each example of the physical chunk being processed.
+
+        None when nothing was captured since the last clip (a step after ``accumulate()``).
+        """
+        if batch.units is None or not self.engine.batch_stamps():
             return None
         start, stop = self.boundary.chunk or (0, batch.size)
         return batch.units[start:stop]
@@ -315,6 +318,8 @@ class DPOptimizer(torch.optim.Optimizer):
         padding = batch.padding
         if padding is not None and self.boundary.chunk is not None:
             padding = padding.chunk(*self.boundary.chunk)
+        if not self.engine.batch_stamps():  # this piece was clipped already (accumulate())
+            padding = None
         return self.engine.clip_and_accumulate(
             self.plan.max_grad_norm,
             self.plan.loss_reduction,  # type: ignore[arg-type]
