@@ -43,6 +43,17 @@ class Attention(nn.Module):
         return self.attention(x, x, x, need_weights=False)[0]
 
 
+class Recurrent(nn.Module):
+    """A recurrent layer's output sequence (it returns the sequence and the final state)."""
+
+    def __init__(self, cls: type[nn.RNNBase]) -> None:
+        super().__init__()
+        self.rnn = cls(6, 4, num_layers=2, bidirectional=True, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.rnn(x)[0]
+
+
 #: For each registered layer type: a model part that contains it, and one example's input shape
 #: (an int first entry: integer indices below it).
 EXAMPLES: dict[type[nn.Module], Callable[[], tuple[nn.Module, tuple[int, ...]]]] = {
@@ -60,6 +71,9 @@ EXAMPLES: dict[type[nn.Module], Callable[[], tuple[nn.Module, tuple[int, ...]]]]
     EmptyBatchInstanceNorm2d: lambda: (EmptyBatchInstanceNorm2d(6, affine=True), (6, 4, 4)),
     EmptyBatchInstanceNorm3d: lambda: (EmptyBatchInstanceNorm3d(6, affine=True), (6, 2, 3, 3)),
     InProjection: lambda: (Attention(), (4, 6)),
+    nn.RNN: lambda: (Recurrent(nn.RNN), (4, 6)),
+    nn.GRU: lambda: (Recurrent(nn.GRU), (4, 6)),
+    nn.LSTM: lambda: (Recurrent(nn.LSTM), (4, 6)),
 }
 
 LAYERS = list(registered_layers())
@@ -217,8 +231,27 @@ def test_each_rule_function_takes_zero_rows(layer_type) -> None:
     layer = probe.layer
     if isinstance(layer, Attention):
         layer, shape = InProjection(layer.attention), (4, 6)
+    if isinstance(layer, Recurrent):
+        layer = layer.rnn
     rule = find_rule(layer)
     assert rule is not None and type(layer) is layer_type
+    if rule.from_rows:  # whole per-example gradients from the call as captured (recurrent)
+        x = torch.zeros((0, *shape))
+        with torch.no_grad():
+            outputs = list(output_tensors(layer(x)))
+        call = Call(
+            inputs=(x,),
+            grads=[torch.zeros_like(o) for o in outputs],
+            out_meta=[(o.shape, o.dtype, o.device) for o in outputs],
+            out_index=list(range(len(outputs))),
+            versions=(None,),
+            trainable=frozenset(n for n, _ in layer.named_parameters(recurse=False)),
+        )
+        rows = rule.example_rows(layer, call)
+        assert rows is not None and set(rows) == set(call.trainable)
+        for name, value in rows.items():
+            assert value.shape == (0, *getattr(layer, name).shape)
+        return
     call = _empty_call(layer, shape, probe.indices)
     assert rule.sq_norms(layer, call).shape == (0,)
     sums = rule.clipped_sum(layer, call, torch.zeros(0))  # same call: sq_norms may fill its cache

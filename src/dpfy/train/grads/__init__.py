@@ -91,7 +91,7 @@ Engines
     running statistics), attention's input projection, Hugging Face's ``Conv1D`` (GPT-2;
     registered by name, so transformers is never imported), and ``nn.RNN``, ``nn.GRU``,
     ``nn.LSTM`` (any ``batch_first``, stacked, bidirectional; per-example gradients from one
-    unrolled replay of the batch, :mod:`dpfy.train.grads.rules.recurrent`; packed batches are
+    replay of the batch, :mod:`dpfy.train.grads.rules.recurrent`; packed batches are
     replayed as the vmap engine does; ``proj_size`` is left to vmap). ``nn.MultiheadAttention`` is
     replaced while attached by :class:`~dpfy.train.grads.substitutions.DPMultiheadAttention`, an
     exact equivalent built from hookable projections holding the *same* Parameters, so

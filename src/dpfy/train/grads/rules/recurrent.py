@@ -1,25 +1,29 @@
-"""Rule for ``nn.RNN``, ``nn.GRU`` and ``nn.LSTM``: per-example gradients by one unrolled replay.
+"""Rule for ``nn.RNN``, ``nn.GRU`` and ``nn.LSTM``: per-example gradients from one replay.
 
-The fused kernels keep their gates to themselves, so the rule recomputes the layer step by step
-in plain tensor operations, once for the whole batch, from the captured input and initial state,
-with a zero "probe" added to each pre-activation: ``x_t W_ihᵀ + b_ih`` (all steps at once) and
-``h_{t-1} W_hhᵀ + b_hh`` (step by step). One backward pass of that replay, fed the output
-gradients captured from the real backward pass, gives each probe's gradient γ_t; an example's
-weight gradients are then ``Σ_t γ_t a_tᵀ`` over its own steps (``a_t`` = the step's input, or the
-previous hidden state) and its bias gradients ``Σ_t γ_t``, as for a linear layer on a sequence
-(the cell equations are torch's, documented on ``nn.RNN``, ``nn.GRU`` and ``nn.LSTM``).
+The fused kernels keep their gates to themselves, so the rule runs the layer again on the whole
+batch, from the captured input and initial state, one layer and direction at a time: the input
+projection ``xp_t = x_t W_ihᵀ + b_ih`` as one product over all steps, then torch's own fused
+recurrence on ``xp`` (a one-layer RNN of the same kind whose input weight is the identity). One
+backward pass of that replay, fed the output gradients captured from the real backward pass,
+gives γ_t = ∂L/∂xp_t at every step; an example's weight gradients are then ``Σ_t γ_t a_tᵀ`` over
+its own steps, as for a linear layer on a sequence (``a_t`` = the step's input for ``W_ih``, the
+previous hidden state for ``W_hh``), and its bias gradients ``Σ_t γ_t``. The hidden
+pre-activation ``h_{t-1} W_hhᵀ + b_hh`` has the same γ, except a GRU's n-part, which reaches the
+loss through the reset gate: γ_n · r_t (the cell equations are torch's, documented on ``nn.RNN``,
+``nn.GRU`` and ``nn.LSTM``).
 
 Not covered (the engine replays such calls as the vmap engine does): packed batches. Refused
-(``unsupported_reason``, so ``auto`` picks vmap): ``proj_size`` (LSTM projections).
+(``unsupported_reason``, so ``auto`` picks vmap): ``proj_size`` (LSTM projections). A stacked
+layer's own dropout, in training mode, is refused at the step (no replay can redraw it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence
 
 from dpfy.train.grads.capture import Call
@@ -28,46 +32,10 @@ from dpfy.train.grads.registry import LayerRule, register_rule
 
 __all__ = ["RecurrentRule"]
 
-_State = tuple[Tensor, Tensor | None]  # h, and c for an LSTM
-_Cell = Callable[[Tensor, Tensor, Tensor, Tensor | None], _State]
-
-
-def _tanh_cell(xp: Tensor, hp: Tensor, h: Tensor, c: Tensor | None) -> _State:
-    return torch.tanh(xp + hp), None
-
-
-def _relu_cell(xp: Tensor, hp: Tensor, h: Tensor, c: Tensor | None) -> _State:
-    return torch.relu(xp + hp), None
-
-
-def _lstm_cell(xp: Tensor, hp: Tensor, h: Tensor, c: Tensor | None) -> _State:
-    i, f, g, o = (xp + hp).chunk(4, -1)
-    assert c is not None
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    return torch.sigmoid(o) * torch.tanh(c), c
-
-
-def _gru_cell(xp: Tensor, hp: Tensor, h: Tensor, c: Tensor | None) -> _State:
-    xr, xz, xn = xp.chunk(3, -1)
-    hr, hz, hn = hp.chunk(3, -1)
-    r = torch.sigmoid(xr + hr)
-    z = torch.sigmoid(xz + hz)
-    n = torch.tanh(xn + r * hn)
-    return (1 - z) * n + z * h, None
-
-
-#: ``nn.RNNBase.mode`` → one step of the cell, from the two pre-activations.
-CELLS: dict[str, _Cell] = {
-    "RNN_TANH": _tanh_cell,
-    "RNN_RELU": _relu_cell,
-    "LSTM": _lstm_cell,
-    "GRU": _gru_cell,
-}
-
 
 @register_rule(nn.RNN, nn.GRU, nn.LSTM)
 class RecurrentRule(LayerRule):
-    """Weights ``Σ_t γ_t a_tᵀ``, biases ``Σ_t γ_t`` per example, γ from an unrolled replay."""
+    """Weights ``Σ_t γ_t a_tᵀ``, biases ``Σ_t γ_t`` per example, γ from a replay of the batch."""
 
     from_rows = True
 
@@ -96,14 +64,12 @@ class RecurrentRule(LayerRule):
 
 
 def _rows(layer: nn.RNNBase, call: Call, x: Tensor, hx: Any) -> dict[str, Tensor]:
-    """The unrolled replay, its backward from the captured gradients, and the products."""
+    """The replay, its backward from the captured gradients, and the per-example products."""
     dtype = compute_dtype(x.dtype, *(meta[1] for meta in call.out_meta))
     seq = (x if layer.batch_first else x.transpose(0, 1)).detach().to(dtype)  # (B, T, d)
-    n, steps = seq.shape[:2]
     directions = 2 if layer.bidirectional else 1
-    h0, c0 = _initial(layer, hx, n, seq)
-    cell = CELLS[layer.mode]
-    probes: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # suffix → probes, inputs
+    h0, c0 = _initial(layer, hx, seq.shape[0], seq)
+    found: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # suffix → xp, a, h_prev, r
     finals_h: list[Tensor] = []
     finals_c: list[Tensor] = []
     with torch.enable_grad():
@@ -112,61 +78,129 @@ def _rows(layer: nn.RNNBase, call: Call, x: Tensor, hx: Any) -> dict[str, Tensor
             outputs = []
             for direction in range(directions):
                 suffix = f"_l{k}" + ("_reverse" if direction else "")
-                w_ih, b_ih, w_hh, b_hh = (
-                    _weight(layer, f"{part}{suffix}", dtype)
-                    for part in ("weight_ih", "bias_ih", "weight_hh", "bias_hh")
-                )
-                inputs = layer_input.flip(1) if direction else layer_input
-                xp = inputs @ w_ih.T
-                if b_ih is not None:
-                    xp = xp + b_ih
-                probe_ih = torch.zeros_like(xp, requires_grad=True)
-                probe_hh = torch.zeros_like(xp, requires_grad=True)
-                xp = xp + probe_ih
                 state = k * directions + direction
-                h, c = h0[state], None if c0 is None else c0[state]
-                previous, hidden = [], []
-                for t in range(steps):
-                    previous.append(h)
-                    hp = h @ w_hh.T
-                    if b_hh is not None:
-                        hp = hp + b_hh
-                    h, c = cell(xp[:, t], hp + probe_hh[:, t], h, c)
-                    hidden.append(h)
-                out = torch.stack(hidden, 1)
+                inputs = layer_input.flip(1) if direction else layer_input
+                xp, out, h_n, c_n = _one_direction(
+                    layer, suffix, inputs, h0[state], None if c0 is None else c0[state], dtype
+                )
                 outputs.append(out.flip(1) if direction else out)
-                finals_h.append(h)
-                if c is not None:
-                    finals_c.append(c)
-                probes[suffix] = (probe_ih, probe_hh, inputs.detach(), torch.stack(previous, 1))
+                finals_h.append(h_n)
+                if c_n is not None:
+                    finals_c.append(c_n)
+                previous = torch.cat([h0[state][:, None], out[:, :-1]], 1).detach()
+                found[suffix] = (
+                    xp,
+                    inputs.detach(),
+                    previous,
+                    _reset_gate(layer, suffix, xp, previous, dtype),
+                )
             layer_input = torch.cat(outputs, -1) if directions > 1 else outputs[0]
         produced = [layer_input, torch.stack(finals_h)]
         if finals_c:
             produced.append(torch.stack(finals_c))
         given = _output_grads(layer, call, produced, dtype)
-        flat = [p for entry in probes.values() for p in entry[:2]]
-        gammas = torch.autograd.grad(produced, flat, given, allow_unused=True)
+        gammas = torch.autograd.grad(
+            produced, [entry[0] for entry in found.values()], given, allow_unused=True
+        )
     rows: dict[str, Tensor] = {}
-    for index, (suffix, (probe_ih, probe_hh, a_ih, a_hh)) in enumerate(probes.items()):
-        g_ih = _or_zeros(gammas[2 * index], probe_ih)
-        g_hh = _or_zeros(gammas[2 * index + 1], probe_hh)
-        for part, gamma, a in (("ih", g_ih, a_ih), ("hh", g_hh, a_hh.detach())):
+    for gamma, (suffix, (xp, a_ih, a_hh, r)) in zip(gammas, found.items(), strict=True):
+        g_ih = torch.zeros_like(xp) if gamma is None else gamma
+        g_hh = g_ih if r is None else _gru_hidden_gamma(g_ih, r)
+        for part, g, a in (("ih", g_ih, a_ih), ("hh", g_hh, a_hh)):
             if f"weight_{part}{suffix}" in call.trainable:
-                rows[f"weight_{part}{suffix}"] = torch.einsum("btg,btd->bgd", gamma, a)
+                rows[f"weight_{part}{suffix}"] = torch.einsum("btg,btd->bgd", g, a)
             if f"bias_{part}{suffix}" in call.trainable:
-                rows[f"bias_{part}{suffix}"] = gamma.sum(1)
+                rows[f"bias_{part}{suffix}"] = g.sum(1)
     return rows
+
+
+def _one_direction(
+    layer: nn.RNNBase,
+    suffix: str,
+    inputs: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One layer in one direction: ``xp = x W_ihᵀ + b_ih``, then the fused recurrence on ``xp``.
+
+    The recurrence runs as a one-layer RNN of the same kind whose input weight is the identity
+    (its input is already projected), so the gradient reaching ``xp`` is the pre-activation
+    gradient γ_t of every step, from torch's own fused backward. Returns xp, the hidden states
+    (B, T, H), and the final h (and c).
+    """
+    w_ih, b_ih, w_hh, b_hh = (
+        _weight(layer, f"{part}{suffix}", dtype)
+        for part in ("weight_ih", "bias_ih", "weight_hh", "bias_hh")
+    )
+    assert w_ih is not None and w_hh is not None
+    xp = inputs @ w_ih.T
+    if b_ih is not None:
+        xp = xp + b_ih
+    xp = xp.detach().requires_grad_(True) if not xp.requires_grad else xp
+    gates = w_ih.shape[0]
+    weights = {
+        "weight_ih_l0": torch.eye(gates, dtype=dtype, device=xp.device),
+        "weight_hh_l0": w_hh,
+    }
+    if b_hh is not None:
+        weights["bias_ih_l0"] = xp.new_zeros(gates)
+        weights["bias_hh_l0"] = b_hh
+    cell = _cell(layer, gates, b_hh is not None)
+    state: Any = (h0[None], c0[None]) if c0 is not None else h0[None]
+    out, final = functional_call(cell, weights, (xp, state))
+    if isinstance(final, tuple):
+        return xp, out, final[0][0], final[1][0]
+    return xp, out, final[0], None
+
+
+def _cell(layer: nn.RNNBase, gates: int, bias: bool) -> nn.RNNBase:
+    """A one-layer, one-direction, batch-first RNN of ``layer``'s kind with input size ``gates``."""
+    options: dict[str, Any] = {"batch_first": True, "bias": bias}
+    if isinstance(layer, nn.RNN):
+        options["nonlinearity"] = layer.nonlinearity
+    key = (type(layer), gates, layer.hidden_size, tuple(sorted(options.items())))
+    cell = _CELLS.get(key)
+    if cell is None:
+        with torch.device("meta"):  # its own weights are never used (functional_call)
+            cell = type(layer)(gates, layer.hidden_size, **options)
+        _CELLS[key] = cell
+    return cell
+
+
+_CELLS: dict[tuple[Any, ...], nn.RNNBase] = {}
+
+
+def _reset_gate(
+    layer: nn.RNNBase, suffix: str, xp: Tensor, previous: Tensor, dtype: torch.dtype
+) -> Tensor | None:
+    """A GRU's reset gate r_t per step (None for other kinds): it scales the hidden n-part."""
+    if not isinstance(layer, nn.GRU):
+        return None
+    w_hh = _weight(layer, f"weight_hh{suffix}", dtype)
+    b_hh = _weight(layer, f"bias_hh{suffix}", dtype)
+    assert w_hh is not None
+    hidden = layer.hidden_size
+    hr = previous @ w_hh[:hidden].T
+    if b_hh is not None:
+        hr = hr + b_hh[:hidden]
+    return torch.sigmoid(xp.detach()[..., :hidden] + hr)
+
+
+def _gru_hidden_gamma(g_ih: Tensor, r: Tensor) -> Tensor:
+    """γ of a GRU's hidden pre-activation: the input one for r and z, times r_t for n.
+
+    ``n = tanh(x_n + r ⊙ (h W_hnᵀ + b_hn))``: the n-part of ``h W_hhᵀ + b_hh`` reaches the loss
+    through ``r ⊙ ·``, the r and z parts exactly as the input pre-activation does.
+    """
+    hidden = r.shape[-1]
+    return torch.cat([g_ih[..., : 2 * hidden], g_ih[..., 2 * hidden :] * r], -1)
 
 
 def _weight(layer: nn.RNNBase, name: str, dtype: torch.dtype) -> Tensor | None:
     """A weight or bias of the layer, detached, in the dtype of the replay (None: no bias)."""
     value = getattr(layer, name, None)
     return None if value is None else value.detach().to(dtype)
-
-
-def _or_zeros(gamma: Tensor | None, like: Tensor) -> Tensor:
-    """A probe's gradient (zeros when nothing downstream used it)."""
-    return torch.zeros_like(like) if gamma is None else gamma
 
 
 def _initial(layer: nn.RNNBase, hx: Any, n: int, seq: Tensor) -> tuple[Tensor, Tensor | None]:
