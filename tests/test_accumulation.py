@@ -253,3 +253,12 @@ def test_accumulate_on_the_closing_chunk_then_step_keeps_microbatch_units_exact(
             late.optimizer.step()
     torch.testing.assert_close(flat(late.model), flat(usual.model), rtol=1e-6, atol=1e-7)
     assert late.ledger.steps == usual.ledger.steps == 6
+
+
+def test_a_padded_truncated_poisson_batch_cut_by_hand_is_refused():
+    private = run(sampler="truncated-poisson", max_batch_size=48)
+    x, y = next(iter(private.loader))
+    backward(private, x[:4], y[:4])
+    with pytest.raises(BatchRefused, match="padded to a static shape"):
+        private.optimizer.accumulate()
+    assert private.ledger.steps == 0

@@ -16,8 +16,10 @@ What this module refuses, before anything changes:
   repeated calls);
 - pieces of two *different* loader batches summed into one step (two sampled batches are two
   draws; accounting them as one is not the event the ledger records);
-- a batch whose clipping units are microbatches or users, cut by hand (a unit must stay whole
-  in one pass: the private loader's ``max_physical_batch_size`` cuts between units).
+- a batch whose clipping units are microbatches or users, or a padded (truncated-Poisson) batch,
+  cut by hand (a unit must stay whole in one pass, and padding rows are marked for the whole
+  batch: the private loader's ``max_physical_batch_size`` cuts between units and carries the
+  marks).
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class Accumulation:
                 "ledger accounts. Split each loader batch instead — "
                 f"{_FIX}, or pass max_physical_batch_size to make_private. Nothing was changed; "
                 "reload the last checkpoint to go on"
+            )
+        if split and not chunked and current is not None and current.padding is not None:
+            raise BatchRefused(
+                "this loader batch is padded to a static shape (truncated Poisson), and which "
+                "of its rows are padding is known for the whole batch only, so it cannot be cut "
+                "by hand; pass max_physical_batch_size to make_private (its chunks carry their "
+                "padding rows). Nothing was changed"
             )
         if split and not chunked and current is not None and current.units is not None:
             raise BatchRefused(
