@@ -253,14 +253,11 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
 
 def running_elsewhere(status: dict[str, Any]) -> bool:
     """Whether the process a running status names may still run: on another host it is assumed
-    so (``--force`` overrides that), on this one it is asked, and this process is not another."""
+    so (``--force`` overrides that), on this one it is asked."""
     if status.get("host") != socket.gethostname():
         return True
     try:
-        pid = int(status["pid"])
-        if pid == os.getpid():
-            return False
-        os.kill(pid, 0)
+        os.kill(int(status["pid"]), 0)
     except ProcessLookupError:
         return False
     except (PermissionError, KeyError, TypeError, ValueError, OverflowError):
