@@ -138,6 +138,24 @@ def test_lstm_with_projection_and_microbatches_matches_the_loop():
     assert_exact(model, lambda i: model(x[i : i + 1]).sum(), lambda: model(x), 6, microbatch=2)
 
 
+@pytest.mark.parametrize("kind", ENGINES)
+def test_microbatches_and_frozen_parameters_of_a_gru_match_the_loop(kind):
+    torch.manual_seed(7)
+    model = Recurrent(nn.GRU, batch_first=False, layers=2, bidirectional=True)
+    model.rnn.bias_hh_l1_reverse.requires_grad_(False)
+    model.rnn.weight_ih_l0.requires_grad_(False)
+    x = _batch(model, 6, 3)
+    assert_exact(
+        model,
+        lambda i: model(x[:, i : i + 1]).sum(),
+        lambda: model(x),
+        6,
+        kind=kind,
+        microbatch=3,
+        batch_first=False,
+    )
+
+
 class Packed(nn.Module):
     """Padded sequences of different lengths, packed for the recurrent layer."""
 
