@@ -35,7 +35,9 @@ and :func:`dpfy.audit.one_run.score_and_guess` turns the guesses into ε̂ for t
 **What it audits.** The run's privacy plan applied by dpfy's own private step to a canary model
 (``scope="private-step"``); never the run's model, loss or data pipeline, so a coupling between
 examples there (batch statistics, a loss normalised over the batch) is invisible to it — the
-run's behaviour checks from training cover those (:mod:`dpfy.audit.scope`).
+run's behaviour checks from training cover those (:mod:`dpfy.audit.scope`), and
+:func:`dpfy.audit.user_model.audit_user_model` runs the user's own model and loss through the
+private step with an input canary, so a coupling there shows as ε̂ above the claim.
 
 **Matrix-factorisation noise** (BandMF, BLT, amplified BandMF) is correlated over the whole
 run, so one trial is one canary in one whole re-run, scored by the optimal test under the
