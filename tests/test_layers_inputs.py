@@ -93,3 +93,38 @@ def test_a_dict_input_counts_its_examples():
     result = engine.clip_and_accumulate(1.0, "sum")
     assert result.num_examples == 7 and engine.num_examples == 7
     engine.detach()
+
+
+class KeywordsOnly(nn.Module):
+    """A layer called with keyword arguments only (no positional input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert x is not None and scale is not None
+        return x * self.weight * scale
+
+
+class KeywordsOnlyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = KeywordsOnly()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x=x, scale=x[:, :1])
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_layer_called_with_keywords_only_matches_the_loop(batch_first):
+    torch.manual_seed(2)
+    model = KeywordsOnlyModel()
+    x = torch.randn(5, 4)
+    assert_exact(
+        model,
+        lambda i: _losses(model, x[i : i + 1]).sum(),
+        lambda: _losses(model, x),
+        5,
+        batch_first=batch_first,
+    )

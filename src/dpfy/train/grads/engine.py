@@ -406,7 +406,7 @@ class GradEngine:
         sequence-carrying tensors — floats (T, B, ..., d) of 3+ dims and integer indices (T, B,
         ...) of 2+ dims — and dim 0 otherwise (pooled (B, d) features, channels-first layers).
         """
-        x = call.inputs[0]
+        x = call.inputs[0] if call.inputs else None  # a call of keyword arguments only
         if self.batch_first or not isinstance(x, Tensor):
             return 0
         rule = find_rule(tap.module)
