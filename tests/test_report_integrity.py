@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -324,3 +326,36 @@ def test_load_refusal_is_a_value_error_naming_the_file(run_copy):
     edit_facts(run_copy, set_at("accounting", "summary", "epsilon", "total", value=0.01))
     with pytest.raises(ValueError, match=r"facts\.json: accounting\.summary\.epsilon\.total"):
         RunFacts.load(run_copy / "facts.json")
+
+
+# -- reading and writing the card's files: bounded reads, whole files ----------------------------
+
+
+def test_loading_facts_from_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
+    fifo = tmp_path / "facts.json"
+    os.mkfifo(fifo)
+    signal.alarm(30)  # a blocking open would hang here: the alarm turns that into a failure
+    try:
+        with pytest.raises(ValueError, match="not a regular file"):
+            RunFacts.load(fifo)
+    finally:
+        signal.alarm(0)
+
+
+def test_a_failed_write_leaves_the_published_card_whole(run_copy, monkeypatch):
+    from dpfy._safe_io import WriteFailed
+    from dpfy.report.render import write_report
+
+    before = {name: (run_copy / name).read_bytes() for name in ("report.md", "facts.json")}
+    facts = RunFacts.load(run_copy / "facts.json")
+
+    def disk_full(source, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(WriteFailed, match="No space left on device"):
+        write_report(facts, run_copy, plots=False)
+    monkeypatch.undo()
+    after = {name: (run_copy / name).read_bytes() for name in before}
+    assert after == before
+    assert not [p for p in run_copy.iterdir() if p.name.endswith(".tmp")]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dpfy._safe_io import atomic_write_text
 from dpfy.report.pitfalls import Finding
 
 __all__ = ["SECTIONS", "findings_lines", "render_card", "write_card"]
@@ -49,7 +50,7 @@ def render_card(title: str, bodies: Sequence[Sequence[str]]) -> str:
 
 def write_card(run_dir: Path, document: dict[str, Any], markdown: str) -> Path:
     """Write ``report.json`` (``document``) and ``report.md`` into ``run_dir``; the card's path."""
-    (run_dir / "report.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(run_dir / "report.json", json.dumps(document, indent=2) + "\n")
     target = run_dir / "report.md"
-    target.write_text(markdown, encoding="utf-8")
+    atomic_write_text(target, markdown)
     return target

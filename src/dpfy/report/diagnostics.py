@@ -33,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dpfy._safe_io import atomic_write_text
 from dpfy.report.facts import RunFacts
 from dpfy.report.json_codec import json_safe
 from dpfy.report.pitfalls import diagnostic_pitfalls
@@ -145,7 +146,7 @@ def write_baseline_diagnostics(
         "baseline_accuracy": baseline_accuracy,
         "evaluated_on": evaluated_on,
     }
-    (run_dir / DIAGNOSTICS_JSON).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(run_dir / DIAGNOSTICS_JSON, json.dumps(data, indent=2) + "\n")
     lines = [
         f"**{NOT_FOR_PUBLICATION}**",
         "",
@@ -155,7 +156,7 @@ def write_baseline_diagnostics(
         f"{show_value(baseline_accuracy)} (the same model trained on the true private data)",
     ]
     target = run_dir / DIAGNOSTICS_MARKDOWN
-    target.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write_text(target, "\n".join(lines) + "\n")
     return target
 
 

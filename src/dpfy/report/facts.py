@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dpfy._safe_io import atomic_write_text, read_bounded
 from dpfy._validate import (
     check_count,
     check_delta,
@@ -147,7 +148,7 @@ class RunFacts:
         """Write the facts as indented JSON (the file ``dpfy report`` reads)."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
+        atomic_write_text(target, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
         return target
 
     @classmethod
@@ -161,7 +162,7 @@ class RunFacts:
         file, the field and the fix.
         """
         try:
-            raw = Path(path).read_bytes()
+            raw = read_bounded(Path(path), "facts")  # a FIFO or /dev/zero is refused
         except FileNotFoundError:
             raise ValueError(
                 f"{path} does not exist; pass a run directory written by `dpfy train`"

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dpfy._safe_io import atomic_write_text
+
 HISTORY_FORMAT = "dpfy.history"
 NOT_PRIVATE_TAG = "private data, not DP"
 NOT_PRIVATE_NOTE = (
@@ -68,7 +70,7 @@ def history_document(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def write_history(path: str | os.PathLike[str], history: Sequence[Mapping[str, Any]]) -> Path:
     """Write :func:`history_document` as indented JSON."""
     target = Path(path)
-    target.write_text(json.dumps(history_document(history), indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(target, json.dumps(history_document(history), indent=2) + "\n")
     return target
 
 

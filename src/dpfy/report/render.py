@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dpfy._safe_io import atomic_write_text
 from dpfy.report.card import REPORT_FORMAT, REPORT_VERSION, SECTIONS, ReportCard, build_report
 from dpfy.report.diagnostics import (
     DIAGNOSTICS_JSON,
@@ -105,7 +106,7 @@ def write_report(
         ("diagnostics_json", DIAGNOSTICS_JSON, render_diagnostics(facts, "json")),
     ):
         written[name] = target / filename
-        written[name].write_text(text, encoding="utf-8")
+        atomic_write_text(written[name], text)
     if plots:
         from dpfy.report.plots import plot_epsilon_curve
         from dpfy.report.training_plot import plot_training_curves
