@@ -253,10 +253,14 @@ API_LOAD = textwrap.dedent("""
         return dpfy.make_private(net, torch.optim.SGD(net.parameters(), lr=0.5), data,
             batch_size=8, delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0, steps=40, seed=seed)
     def steps(p, n):
-        it = iter(p.loader)
-        for _ in range(n):
-            x, y = next(it); p.optimizer.zero_grad()
-            nn.functional.cross_entropy(p.model(x), y).backward(); p.optimizer.step()
+        done = 0
+        while done < n:
+            for x, y in p.loader:
+                p.optimizer.zero_grad()
+                nn.functional.cross_entropy(p.model(x), y).backward(); p.optimizer.step()
+                done += 1
+                if done == n:
+                    return
     other = run(1); steps(other, 8); other.save('OTHER')
     me = run(2); steps(me, 16); before = me.epsilon()
     me.load('OTHER')

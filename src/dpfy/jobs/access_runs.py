@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from dpfy._safe_io import atomic_write
 from dpfy.access.feature_bounds import bounds_for
 from dpfy.access.input_dp import InputRandomiser
 from dpfy.access.label_dp import fit_on_labels, train_label_private
@@ -62,7 +63,7 @@ def _finish(
     steps: int, released: str,
 ) -> TrainResult:  # fmt: skip
     """Write the model and the report; the result the CLI prints."""
-    torch.save(model.state_dict(), run_dir / "model.pt")
+    atomic_write(run_dir / "model.pt", lambda path: torch.save(model.state_dict(), path))
     findings = access_findings(run.access)
     write_access_report(run, findings, run_dir)
     assert run.access.epsilon is not None

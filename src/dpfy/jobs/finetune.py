@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from dpfy._safe_io import atomic_write, atomic_write_text, write_failed
 from dpfy.jobs.config import public_seed
 from dpfy.jobs.finetune_config import FinetuneConfig, check_finetune_config
 from dpfy.jobs.finetune_setup import Prepared, prepare, public_inputs
@@ -216,9 +217,14 @@ def _finetune_into(run_dir: Path, config: FinetuneConfig, console: Console) -> F
     accuracy = history[-1]["test_accuracy"]
     baseline = _baseline_keeping_private(prepared, config, console) if config.baseline else None
     seconds = time.perf_counter() - started
-    torch.save(prepared.classifier.state_dict(), run_dir / "model.pt")
-    write_history(run_dir / "history.json", history)
-    (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
+    model = prepared.classifier.state_dict()
+    atomic_write(run_dir / "model.pt", lambda path: torch.save(model, path))
+    try:
+        write_history(run_dir / "history.json", history)
+    except OSError as err:
+        raise write_failed(run_dir / "history.json", err) from None
+    document = json.dumps(asdict(config), indent=2, default=str)
+    atomic_write_text(run_dir / "config.json", document)
     facts = collect_facts(
         private,
         dataset_name=prepared.data.name,
@@ -235,7 +241,10 @@ def _finetune_into(run_dir: Path, config: FinetuneConfig, console: Console) -> F
         public_inputs=public_inputs(prepared),
     )  # fmt: skip
     facts = dataclasses.replace(facts, model=_whole_model_facts(prepared, private))
-    write_report(facts, run_dir, history=history)
+    try:
+        write_report(facts, run_dir, history=history)
+    except OSError as err:  # a full disk: one line naming the file; what was written is kept
+        raise write_failed(Path(err.filename or run_dir), err) from None
     return FinetuneResult(run_dir, accuracy, baseline, private.epsilon(),
                           private.plan.delta, seconds, history)  # fmt: skip
 
