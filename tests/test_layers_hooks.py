@@ -118,3 +118,20 @@ def test_gradient_hook_added_after_the_engine_is_refused_at_the_step(kind):
         engine.clip_and_accumulate(1.0, "sum")
     assert engine.num_examples == 0 and not engine.summing
     engine.detach()
+
+
+def test_spectral_norm_hook_recomputing_the_weight_is_run_in_the_replay():
+    # torch.nn.utils.spectral_norm's pre-hook sets `weight` from `weight_orig` on every call.
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        nn.utils.spectral_norm(nn.Linear(4, 5)), Custom(), nn.Linear(5, 3)
+    ).eval()  # evaluation mode: no power iteration, so each example sees the same weight
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    for kind in ("auto", "vmap"):
+        assert_exact(
+            model,
+            lambda i: _losses(model, x[i : i + 1], y[i : i + 1]).sum(),
+            lambda: _losses(model, x, y),
+            5,
+            kind=kind,
+        )

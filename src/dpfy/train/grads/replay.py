@@ -10,8 +10,9 @@ batch: its examples grouped by length). Layer types with their own layout regist
 :func:`register_planner`; the others get the model's (``batch_dim``).
 
 The replay calls the layer's ``forward`` itself, not the module: the layer's own forward hooks ran
-after the engine captured the layer's output (and its pre-hooks before the captured inputs), so
-running them again would apply a user's hook twice, or to the wrong tensor.
+after the engine captured the layer's output, and its pre-hooks before the captured inputs, so
+applying them again would apply a user's hook twice, or to the wrong tensor (pre-hooks are still
+called, for what they set on the layer, and their results ignored).
 """
 
 from __future__ import annotations
@@ -155,7 +156,13 @@ def picker(index: list[int]) -> Callable[[Any], tuple[Tensor, ...]]:
 
 
 class _Bare(nn.Module):
-    """Runs the wrapped layer's ``forward`` without the layer's own hooks."""
+    """Runs the wrapped layer's ``forward`` without applying the layer's own hooks again.
+
+    Its pre-hooks are called (a pre-hook may set what ``forward`` reads, as
+    ``torch.nn.utils.spectral_norm`` computes ``weight`` from ``weight_orig``) but what they
+    return is ignored: the captured inputs already are what they made. Its forward hooks are not
+    called: the captured output gradient is that of ``forward``'s own output.
+    """
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -163,7 +170,14 @@ class _Bare(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The inner layer's forward (its children are called as usual, hooks included)."""
-        return self.inner.forward(*args, **kwargs)
+        inner = self.inner
+        with_kwargs = inner._forward_pre_hooks_with_kwargs
+        for key, hook in list(inner._forward_pre_hooks.items()):
+            if key in with_kwargs:
+                hook(inner, args, kwargs)
+            else:
+                hook(inner, args)
+        return inner.forward(*args, **kwargs)
 
 
 def bare_call(

@@ -155,20 +155,16 @@ def _one_direction(
 
 
 def _cell(layer: nn.RNNBase, gates: int, bias: bool) -> nn.RNNBase:
-    """A one-layer, one-direction, batch-first RNN of ``layer``'s kind with input size ``gates``."""
+    """A one-layer, one-direction, batch-first RNN of ``layer``'s kind with input size ``gates``.
+
+    Made on the meta device (its own weights are never used: ``functional_call`` passes them),
+    afresh for each call, so that no module is shared between steps or threads.
+    """
     options: dict[str, Any] = {"batch_first": True, "bias": bias}
     if isinstance(layer, nn.RNN):
         options["nonlinearity"] = layer.nonlinearity
-    key = (type(layer), gates, layer.hidden_size, tuple(sorted(options.items())))
-    cell = _CELLS.get(key)
-    if cell is None:
-        with torch.device("meta"):  # its own weights are never used (functional_call)
-            cell = type(layer)(gates, layer.hidden_size, **options)
-        _CELLS[key] = cell
-    return cell
-
-
-_CELLS: dict[tuple[Any, ...], nn.RNNBase] = {}
+    with torch.device("meta"):
+        return type(layer)(gates, layer.hidden_size, **options)
 
 
 def _reset_gate(
