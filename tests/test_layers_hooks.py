@@ -135,3 +135,29 @@ def test_spectral_norm_hook_recomputing_the_weight_is_run_in_the_replay():
             5,
             kind=kind,
         )
+
+
+class OwnsAndCalls(nn.Module):
+    """The root owns a parameter next to its children: the vmap engine replays the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(5))
+        self.layer = nn.Linear(4, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x) + self.offset
+
+
+def test_a_pre_hook_run_by_a_replay_sees_the_engine_not_capturing():
+    model = OwnsAndCalls()
+    engine = make_engine(model, "vmap")
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(engine.capturing))
+    model(torch.randn(3, 4)).sum().backward()
+    engine.clip_and_accumulate(1.0, "sum")
+    assert seen[0] is True and len(seen) > 1 and not any(seen[1:])  # the replays: not captured
+    with engine.paused():
+        assert not engine.capturing
+    assert engine.capturing
+    engine.detach()

@@ -247,6 +247,11 @@ class GradEngine:
         return ClipResult(norms.detach() if norms.requires_grad else norms, real, count)
 
     @property
+    def capturing(self) -> bool:
+        """Whether forward passes are captured now (not while clipping replays layers; paused)."""
+        return self._taps.active
+
+    @property
     def summing(self) -> bool:
         """Whether a logical batch's sum is open (begun, or something was accumulated)."""
         return self._summing
