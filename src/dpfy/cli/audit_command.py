@@ -9,7 +9,6 @@ Bad input is one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -22,9 +21,13 @@ __all__ = ["audit"]
 
 _USAGE_ERROR = 2
 _METHOD_HELP = (
+    "auto (the default: f-dp where it applies, else classical), "
+    "f-dp (one Poisson DP-SGD step: 10⁴ canaries in and out per step, the claimed Gaussian "
+    "tradeoff fitted; ε̂ near ε in seconds), "
     "classical (runs with all canaries in and all out; ε̂ of one step, one DP-FTRL epoch, or "
     "the whole run of BandMF / BLT), "
-    "one-run (each canary in with probability ½, one run; Steinke et al. 2023), both, or "
+    "one-run (each canary in with probability ½, one run; Steinke et al. 2023), one-run-f-dp "
+    "(the same run tested against the claimed tradeoff curve; Mahloujifar et al. 2024), both, or "
     "black-box (re-trains the run once with input-space canaries and attacks its final model)."
 )
 
@@ -83,18 +86,25 @@ def _document(outcomes: Any, written: Path, run_dir: Path, run_epsilon: float | 
 
 def audit(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `dpfy train`.")],
-    method: Annotated[str, typer.Option(help=_METHOD_HELP, callback=_checked_method)] = "classical",
+    method: Annotated[str, typer.Option(help=_METHOD_HELP, callback=_checked_method)] = "auto",
     canaries: Annotated[
-        int, typer.Option(help="Canaries: Dirac gradients per session, or black-box records.")
-    ] = 100,
+        int | None,
+        typer.Option(
+            help="Canaries: Dirac gradients per session (f-dp: in, and as many out, per step), "
+            "or black-box records. Default 10⁴ for f-dp, else 100."
+        ),
+    ] = None,
     blocks: Annotated[
         int | None,
         typer.Option(
             help="Trials per session: steps (DP-SGD), epochs (DP-FTRL), or whole re-runs a "
-            "side (BandMF, BLT). Default 200, or 10 whole re-runs."
+            "side (BandMF, BLT). Default 100 steps for f-dp, 200, or 10 whole re-runs."
         ),
     ] = None,
-    confidence: Annotated[float, typer.Option(help="Confidence of the lower bound ε̂.")] = 0.95,
+    confidence: Annotated[
+        float | None,
+        typer.Option(help="Confidence of the lower bound ε̂. Default 0.99 for f-dp, else 0.95."),
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed the audit (reproducible).")] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", help="Print only the path of the audit's audit.json.")
@@ -115,12 +125,14 @@ def audit(
     from dpfy.audit.scope import behaviour_lines, scope_of
     from dpfy.jobs.audit import (
         DEFAULT_BLOCKS,
+        DEFAULT_CANARIES,
+        DEFAULT_CONFIDENCE,
         AuditConfig,
-        default_blocks,
         load_run,
         lock_for_audit,
         plan_cost,
         record_audits,
+        resolved,
         run_audit,
     )
 
@@ -129,13 +141,20 @@ def audit(
         typer.echo("error: pass --quiet or --json, not both", err=True)
         raise typer.Exit(_USAGE_ERROR)
     try:
+        wanted = DEFAULT_CANARIES if canaries is None else canaries
         given = DEFAULT_BLOCKS if blocks is None else blocks
-        config = AuditConfig(method, canaries, given, confidence=confidence, seed=seed)
+        sure = DEFAULT_CONFIDENCE if confidence is None else confidence
+        config = AuditConfig(method, wanted, given, confidence=sure, seed=seed)
         lock = lock_for_audit(run_dir, on_wait=console.print)  # audits of one run take turns
         click.get_current_context().call_on_close(lock.release)
         facts = load_run(run_dir)
-        if blocks is None:
-            config = dataclasses.replace(config, blocks=default_blocks(facts))
+        config = resolved(
+            config,
+            facts,
+            canaries_given=canaries is not None,
+            blocks_given=blocks is not None,
+            confidence_given=confidence is not None,
+        )
         cost = plan_cost(facts, config, run_dir)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
