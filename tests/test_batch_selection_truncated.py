@@ -339,3 +339,27 @@ def test_cli_names_every_sampler_and_asks_truncated_poisson_for_its_cap(tmp_path
     )  # fmt: skip
     assert done.returncode == 2
     assert "needs max_batch_size=M" in done.stderr and "M = " in done.stderr
+
+
+def _steps(private, count: int) -> list[int]:
+    """Take ``count`` steps; the examples (not rows) of each batch."""
+    seen = []
+    for x, y in private.loader:
+        nn.functional.cross_entropy(private.model(x), y).backward()
+        private.optimizer.step()
+        private.optimizer.zero_grad()
+        seen.append(private.loader.provenance.current.padding.real)
+        if len(seen) == count:
+            break
+    return seen
+
+
+def test_a_resumed_run_draws_the_same_padded_batches_and_spends_the_same(tmp_path):
+    whole = _private()
+    _steps(whole, 3)
+    whole.save(tmp_path / "checkpoint.pt")
+    rest = _steps(whole, 3)
+    resumed = _private()
+    resumed.load(tmp_path / "checkpoint.pt")
+    assert _steps(resumed, 3) == rest
+    assert resumed.ledger.epsilon() == whole.ledger.epsilon()
