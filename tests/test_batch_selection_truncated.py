@@ -363,3 +363,27 @@ def test_a_resumed_run_draws_the_same_padded_batches_and_spends_the_same(tmp_pat
     resumed.load(tmp_path / "checkpoint.pt")
     assert _steps(resumed, 3) == rest
     assert resumed.ledger.epsilon() == whole.ledger.epsilon()
+
+
+def test_an_all_padding_batch_sums_to_exactly_zero_and_counts_nothing():
+    """An empty truncated-Poisson batch is M padding rows: a step of noise only."""
+    model = _model()
+    engine = make_engine(model, "fast")
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    result = engine.clip_and_accumulate(1.0, "mean", padding=Padding(4, 0))
+    assert result.num_examples == 0 and result.norms.numel() == 0
+    assert all(not bool(t.any()) for t in engine.summed_grads().values())
+    engine.detach()
+
+
+def test_a_non_finite_padding_row_is_refused_not_summed():
+    """0 × NaN is NaN: a padding row whose gradient is not finite refuses the step."""
+    model = _model()
+    engine = make_engine(model, "fast")
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    x[3] = float("nan")
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match="padding row"):
+        engine.clip_and_accumulate(1.0, "mean", padding=Padding(4, 3))
+    engine.detach()
