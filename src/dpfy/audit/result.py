@@ -33,9 +33,9 @@ METHODS = {
         "Chaudhuri 2024)"
     ),
     "f-dp": (
-        "Dirac canaries in and out of every step, each coordinate of each step a trial; the "
-        "tradeoff curve of the claimed (subsampled) Gaussian fitted to Clopper–Pearson bounds "
-        "on the test's rates (Nasr et al. 2023; Dong, Roth & Su 2022)"
+        "canaries in and out of repeated private steps, each step (and each canary's "
+        "coordinate) a trial; the tradeoff curve of the claimed (subsampled) Gaussian fitted to "
+        "Clopper–Pearson bounds on the test's rates (Nasr et al. 2023; Dong, Roth & Su 2022)"
     ),
     "classical": (
         "repeated runs with and without the canary; Clopper–Pearson bounds on the attack's "
