@@ -35,6 +35,9 @@ __all__ = ["epoch_epsilon_lower_bound"]
 _SPACING = 2e-3  # loss grid (rounded down to it)
 _LOSS_FLOOR = -30.0  # losses below are raised to nothing: set to this floor (rounds down)
 _POINTS = 40_000  # cells of the output's range
+#: Epochs composed at most: leaving later epochs out only lowers the bound (post-processing) and
+#: keeps its cost to a second or so however long the run.
+MOST_EPOCHS = 256
 
 
 def epoch_epsilon_lower_bound(
@@ -51,13 +54,16 @@ def epoch_epsilon_lower_bound(
 
     ``in_epoch`` is the chance the example is in one of an epoch's batches (kB/N for shuffled
     batches, 1 for balls-in-bins); a last, unfinished epoch of ``partial_batches`` batches holds
-    it with chance ``partial_in_epoch``. 0 when nothing was released.
+    it with chance ``partial_in_epoch``. 0 when nothing was released. Beyond
+    :data:`MOST_EPOCHS` epochs the later ones are left out (the bound stays a lower bound).
     """
     sigma = check_positive("noise_multiplier", noise_multiplier)
     k = check_count("batches_per_epoch", batches_per_epoch, minimum=1)
     epochs = check_count("epochs", epochs)
     partial = check_count("partial_batches", partial_batches)
     delta = check_delta(delta)
+    if epochs > MOST_EPOCHS:
+        epochs, partial = MOST_EPOCHS, 0
     parts = []
     if epochs:
         parts.append((_epoch_losses(1 / sigma, k, in_epoch), epochs))
