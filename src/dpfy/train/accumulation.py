@@ -55,7 +55,8 @@ class Accumulation:
 
     def _before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """A forward pass begins: were the last pass's gradients left unclipped?"""
-        if torch.is_grad_enabled() and self.engine.batch_stamps():
+        # not the engine's own replays while it clips (a root that owns parameters is re-run)
+        if torch.is_grad_enabled() and self.engine.capturing and self.engine.batch_stamps():
             self.unclipped += 1
 
     def refuse(self, current: DrawnBatch | None, *, split: bool, chunked: bool) -> None:
