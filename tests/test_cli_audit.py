@@ -28,8 +28,9 @@ def trained(tmp_path_factory) -> Path:
 
 def test_audit_states_its_cost_then_records_epsilon_hat_beside_the_claim(trained):
     code, stdout, stderr = dpfy(
-        "audit", str(trained), "--canaries", "20", "--blocks", "10", "--seed", "0"
-    )
+        "audit", str(trained), "--method", "classical", "--canaries", "20", "--blocks", "10",
+        "--seed", "0",
+    )  # fmt: skip
     assert code == 0, stderr
     cost = stdout.splitlines()[0]
     assert "re-runs the run's private step" in cost and "20 steps, about" in cost

@@ -240,3 +240,19 @@ def test_the_help_shows_the_bounds_file_format_whole():
 def dpfy_wide(*args: str) -> tuple[int, str, str]:
     result = CliRunner().invoke(app, list(args), env={"COLUMNS": "400"})
     return result.exit_code, result.stdout, result.stderr
+
+
+def test_a_black_box_audit_of_an_own_data_run_retrains_on_that_file(tmp_path):
+    data = write_csv(tmp_path / "patients.csv", rows=400)
+    out = tmp_path / "run"
+    code, _, stderr = dpfy(
+        *QUICK, "--data", str(data), "--label", "target", "--feature-bounds", "0:10",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, stderr
+    code, _, stderr = dpfy(
+        "audit", str(out), "--method", "black-box", "--canaries", "100", "--seed", "0"
+    )
+    assert code == 0, stderr
+    audit = json.loads((out / "audit.json").read_text())["audits"][-1]
+    assert audit["threat_model"] == "black-box" and audit["scope"] == "re-trained-run"

@@ -25,9 +25,9 @@ from torch import nn
 
 from dpfy.audit.blackbox import audit_from_losses, canary_losses, insert_canaries
 from dpfy.audit.result import AuditResult
-from dpfy.data.datasets import LoadedDataset, load_dataset
+from dpfy.data.datasets import LoadedDataset
 from dpfy.jobs.config import CONFIG_FILE, TrainConfig, public_seed, read_config
-from dpfy.jobs.train import fresh_model
+from dpfy.jobs.train import fresh_model, load_run_data
 from dpfy.report.facts import RunFacts
 from dpfy.train.builder import make_private
 from dpfy.train.session import PrivateTraining
@@ -78,7 +78,7 @@ def plan_blackbox(run_dir: Path, facts: RunFacts, canaries: int, seed: int | Non
     if not (run_dir / CONFIG_FILE).is_file():
         raise ValueError(f"{run_dir} holds no {CONFIG_FILE}, so its run cannot be re-trained")
     config = read_config(run_dir / CONFIG_FILE)
-    data = load_dataset(config.dataset, data_dir=config.data_dir)
+    data = load_run_data(config)  # a bundled dataset, or the user's own file (--data)
     insert_canaries(data.train, canaries, public_seed(seed))  # refuses bad sizes first
     run = BlackBoxRun(config, facts, data, canaries, seed, 0.0)
     run.seconds = _estimate_seconds(run)
