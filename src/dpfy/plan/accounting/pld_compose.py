@@ -45,7 +45,7 @@ _CHEAP_T_GRID = np.geomspace(1e-2, 1e3, 8)
 _TAIL_TS = np.array([1.0])
 #: Most grid points one leaf is discretised on: bounds the accountant's time and memory however
 #: small σ is (a coarser grid is still a dominating, pessimistic discretisation).
-MAX_LEAF_POINTS = 1 << 21
+MAX_LEAF_POINTS = 1 << 20
 #: Fewest points of the composed window (a coarsened grid can make it very short).
 _MIN_WINDOW_POINTS = 64
 #: Leaf spectra computed together (bounds the FFT buffers at a few tens of MB).

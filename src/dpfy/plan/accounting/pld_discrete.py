@@ -93,7 +93,9 @@ class DiscretePld:
         if tail_weight[j - 1] <= 0:  # e^{−ℓ} underflowed (ε > 700): answer the grid point
             return float(losses[j])
         # On [ℓ_{j−1}, ℓ_j) the curve is p_∞ + S_{j−1} − e^ε·E_{j−1}; solve δ(ε) = delta there.
-        solution = math.log((self.infinity_mass + tail_mass[j - 1] - delta) / tail_weight[j - 1])
+        with np.errstate(over="ignore"):  # a tiny tail weight: the answer is ℓ_j, no warning
+            ratio = (self.infinity_mass + tail_mass[j - 1] - delta) / tail_weight[j - 1]
+        solution = math.log(ratio) if math.isfinite(ratio) else math.inf
         return float(min(max(solution, losses[j - 1]), losses[j]))
 
 
