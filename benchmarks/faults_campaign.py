@@ -510,7 +510,7 @@ for _rows in (0, 1, 4):
         (tmp / "a.csv").write_text(header + "\n" + "\n".join(adult_rows(rows, 0)) + "\n")
         rc, _out, err = run(["train", "--dataset", "adult", "--data-dir", str(tmp / "a.csv"),
                             "--out", str(tmp / "r")])  # fmt: skip
-        return classify(rc, err, "too few"), err.strip()[-160:]
+        return classify(rc, err, "supply at least"), err.strip()[-160:]
 
 
 @case("7 --out of a running run")
@@ -557,8 +557,12 @@ def _(tmp: Path) -> tuple[str, str]:
 
 @case("6 a failed resume keeps the run interrupted")
 def _(tmp: Path) -> tuple[str, str]:
+    # A checkpoint that passes the claim (intact, never resumed) but does not fit the run's
+    # settings: the resume fails after it has marked the run running.
     r = copy(RUNS["interrupted"], tmp / "r")
-    (r / "checkpoint.pt").write_bytes(b"garbage")
+    config = json.loads((r / "config.json").read_text())
+    config["epochs"] = 4
+    (r / "config.json").write_text(json.dumps(config))
     rc, _out, err = run(["train", "--resume", str(r)])
     status = json.loads((r / "status.json").read_text()).get("status")
     if status != "interrupted":
