@@ -278,7 +278,8 @@ def read_config(path: Path) -> TrainConfig:
             f"{path} does not exist; pass the config.json of a `dpfy train` run"
         ) from None
     except ValueError as err:
-        raise ValueError(f"{err}; pass the config.json of a `dpfy train` run") from None
+        reason = str(err).removesuffix("; pass the path of a file")
+        raise ValueError(f"{reason}; pass the config.json of a `dpfy train` run") from None
     if not isinstance(document, dict) or document.get(_COMMAND_KEY, "train") != "train":
         written_by = document.get(_COMMAND_KEY) if isinstance(document, dict) else None
         raise ValueError(
