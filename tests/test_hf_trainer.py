@@ -145,3 +145,22 @@ def test_empty_pieces_of_a_small_poisson_batch_are_steps_all_the_same(tmp_path):
     run = trainer(gpt2(), args, Tokens(n=24))
     run.train()
     assert run.private.ledger.steps == run.private.plan.steps == 6
+
+
+@pytest.mark.parametrize(
+    ("args_options", "options", "named"),
+    [
+        ({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor"),
+        ({}, {"compute_loss_func": lambda outputs, labels, **kw: outputs.loss}, "compute_loss"),
+        ({}, {"private_options": {"max_physical_batch_size": 2}}, "max_physical_batch_size"),
+    ],
+    ids=["label-smoothing", "custom-loss", "chunking"],
+)
+def test_trainer_settings_that_couple_examples_or_recount_steps_are_refused(
+    tmp_path, args_options, options, named
+):
+    # Label smoothing divides by the piece's token count: each example's gradient would depend
+    # on the others' lengths. A whole-piece loss escapes the checks; dpfy's chunking inside the
+    # Trainer's pieces would count a step per chunk.
+    with pytest.raises(ValueError, match=named):
+        trainer(gpt2(), arguments(tmp_path, **args_options), **options)

@@ -124,3 +124,9 @@ def test_a_fit_over_more_processes_than_the_private_run_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="processes"):
         fit(module)
     assert module.run.private.ledger.steps == 0
+
+
+def test_dpfy_chunking_inside_lightning_pieces_is_refused():
+    # Lightning would count every chunk of a batch as a step of its own.
+    with pytest.raises(ValueError, match="max_physical_batch_size"):
+        prepared(2, max_physical_batch_size=4)

@@ -79,6 +79,7 @@ class DPTrainer(Trainer):
                 "train across processes with dpfy.make_private and your own loop "
                 "(docs/distributed.md), or launch one process"
             )
+        _refuse_coupling_options(args, trainer_options, private_options or {})
         # The Trainer's own clipping of the (already private) batch gradient is not DP clipping.
         args = dataclasses.replace(args, max_grad_norm=0.0)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **trainer_options)
@@ -152,3 +153,41 @@ class DPTrainer(Trainer):
     def epsilon(self) -> float:
         """ε spent so far at the run's δ."""
         return self.private.epsilon()
+
+
+def _refuse_coupling_options(
+    args: TrainingArguments, trainer_options: dict[str, Any], private_options: dict[str, Any]
+) -> None:
+    """Refuse Trainer settings that would break per-example clipping or the planned steps.
+
+    Label smoothing divides by the piece's count of real tokens (each example's gradient then
+    depends on the others' lengths); a custom ``compute_loss_func`` is unseen by the loss probe;
+    fp16 needs a loss scaler that skips steps on overflow (a skipped step is still spent, and
+    the scaler cannot see the private step's gradient); the Trainer already cuts each batch into
+    ``gradient_accumulation_steps`` pieces, so dpfy's own chunking would count steps twice.
+    """
+    problems = []
+    if getattr(args, "label_smoothing_factor", 0.0):
+        problems.append(
+            "label_smoothing_factor > 0 (the Trainer's label smoother averages over every token "
+            "of the piece, so each example's gradient depends on the other examples); smooth "
+            "inside a per-example loss or leave it 0"
+        )
+    if trainer_options.get("compute_loss_func") is not None:
+        problems.append(
+            "compute_loss_func (a loss over the whole piece that dpfy's checks cannot see); use "
+            "the model's own loss, or dpfy.make_private with private.criterion in your own loop"
+        )
+    if getattr(args, "fp16", False):
+        problems.append(
+            "fp16=True (its loss scaler skips overflowing steps, which are still spent, and "
+            "cannot see the private gradient); use bf16=True"
+        )
+    if "max_physical_batch_size" in private_options:
+        problems.append(
+            "private_options max_physical_batch_size (the Trainer already cuts each batch into "
+            "gradient_accumulation_steps pieces); lower per_device_train_batch_size and raise "
+            "gradient_accumulation_steps instead"
+        )
+    if problems:
+        raise ValueError("DPTrainer cannot train privately with " + "; ".join(problems))

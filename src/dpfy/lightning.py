@@ -163,6 +163,11 @@ def make_private(
     ``accumulate_grad_batches`` pieces make one step. ``report_dir``: where the report card is
     written when the fit ends.
     """
+    if "max_physical_batch_size" in private_options:  # Lightning would count each chunk a step
+        raise ValueError(
+            "dpfy.lightning cuts each batch into accumulate_grad_batches pieces itself; leave "
+            "max_physical_batch_size out and raise accumulate_grad_batches instead"
+        )
     private = _make_private(module, optimizer, train_dataset, **private_options)
     pieces = AccumulationPieces(private.loader, accumulate_grad_batches)
     return PrivateLightning(
