@@ -256,3 +256,21 @@ def test_a_black_box_audit_of_an_own_data_run_retrains_on_that_file(tmp_path):
     assert code == 0, stderr
     audit = json.loads((out / "audit.json").read_text())["audits"][-1]
     assert audit["threat_model"] == "black-box" and audit["scope"] == "re-trained-run"
+
+
+def test_the_card_counts_the_label_classes_but_never_prints_their_private_values(tmp_path):
+    rows = ["a,b,diagnosis"] + [
+        f"{i % 7},{i % 5},{'flu' if i % 2 else 'healthy'}" for i in range(60)
+    ]
+    rows += ["3,3,patient-4711-rare", "4,1,patient-4711-rare"]
+    data = tmp_path / "visits.csv"
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    code, _, stderr = dpfy(
+        *QUICK, "--data", str(data), "--label", "diagnosis", "--feature-bounds", "0:10",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, stderr
+    published = (out / "report.md").read_text() + (out / "report.json").read_text()
+    assert "3 distinct" in published
+    assert "4711" not in published and "healthy" not in published

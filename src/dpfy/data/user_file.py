@@ -14,8 +14,9 @@ So the features' scale is one of:
 
 With bounds, each value is clipped to its range (which depends on no other row) and mapped
 linearly into [-1, 1]. Nothing else is computed from the data except the label classes: the
-distinct values of the label column, which the card names as taken to be the task's public
-classes. A bad file is refused with one line naming the row and column and the fix.
+distinct values of the label column, which the card counts (never lists: a value only one person
+has would name them) as taken to be the task's public classes. A bad file is refused with one
+line naming the row and column and the fix.
 """
 
 from __future__ import annotations
@@ -483,9 +484,9 @@ def load_user_file(
     shape = _input_shape(data.features)
     steps = (
         declaration.describe(),
-        f"label classes: the {len(classes)} distinct {named} "
-        f"({', '.join(classes[:10])}{', …' if len(classes) > 10 else ''}), taken to be the "
-        "task's public classes",
+        f"label classes: the {len(classes)} distinct {named}, taken to be the task's public "
+        "classes (their values are not printed: they were read from the private file, and a "
+        "class only one person has would name them; the model's output size shows their count)",
     )
     return LoadedDataset(
         name=path.name,
