@@ -262,3 +262,19 @@ def test_a_padded_truncated_poisson_batch_cut_by_hand_is_refused():
     with pytest.raises(BatchRefused, match="padded to a static shape"):
         private.optimizer.accumulate()
     assert private.ledger.steps == 0
+
+
+def test_a_backward_through_a_forward_whose_captures_were_dropped_is_refused_by_name():
+    # Both pieces' forwards first, then their backwards: accumulate() after the first backward
+    # drops the second forward's captures, so its examples could not be clipped.
+    private = run()
+    before = flat(private.model)
+    x, y = next(iter(private.loader))
+    half = len(x) // 2
+    first = nn.functional.cross_entropy(private.model(x[:half]), y[:half])
+    second = nn.functional.cross_entropy(private.model(x[half:]), y[half:])
+    first.backward()
+    private.optimizer.accumulate()
+    with pytest.raises(BatchRefused, match="already dropped"):
+        second.backward()
+    assert private.ledger.steps == 0 and torch.equal(flat(private.model), before)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from dpfy.data.provenance import BatchRefused
 from dpfy.train.grads.broadcast import SharedInputs, expand_output, shares_batch
 from dpfy.train.grads.dropout import MaskRecorder, has_dropout_inside
 from dpfy.train.grads.inputs import call_size, input_batch_dim
@@ -300,6 +301,15 @@ class Taps:
     def _store_grad(self, tap: Tap, call: Call, index: int, grad: Tensor) -> None:
         """Tensor hook: keep the gradient of one output; hand a complete call to ``on_ready``."""
         grads = call.grads
+        if index >= len(grads):  # the call was released before its backward pass reached it
+            raise BatchRefused(
+                "this backward pass reaches a layer call whose captured inputs were already "
+                "dropped (by optimizer.accumulate() or zero_grad() run between its forward and "
+                "this backward), so its examples cannot be clipped. Run each piece's forward "
+                "and backward together — forward, backward, accumulate() — and evaluate under "
+                "torch.no_grad(). Nothing was applied: call optimizer.zero_grad() and go on "
+                "with the next loader batch"
+            )
         previous = grads[index]
         grads[index] = grad if previous is None else previous + grad
         if self.on_ready is not None and len(grads) == 1:
