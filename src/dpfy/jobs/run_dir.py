@@ -73,8 +73,9 @@ def _refuse_occupied(path: Path) -> None:
     running = _status(path).get("status") == "running"
     if running:
         raise ValueError(
-            f"--out {path} holds a run that is still running (or died without a status: see "
-            f"{path / 'status.json'}); choose another --out directory for a new run"
+            f"--out {path} holds a run still running (its status.json says so; if its process "
+            f"died, `dpfy train --resume {path} --force` takes it over); choose another --out "
+            "directory for a new run"
         )
     if _interrupted(path):
         raise ValueError(
