@@ -173,3 +173,24 @@ def test_a_failed_run_status_is_recorded_by_write_status(tmp_path):
     write_status(tmp_path, "failed", 3, 12, error="disk full")
     assert read_status(tmp_path)["error"] == "disk full"
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_an_unwritable_run_directory_is_one_line_before_the_audit_runs(
+    interrupted_run, tmp_path, monkeypatch
+):
+    from dpfy.jobs import audit as audit_job
+
+    run = tmp_path / "run"
+    shutil.copytree(interrupted_run, run)
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(run)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(audit_job.os, "open", read_only)
+    before = (run / "facts.json").read_bytes()
+    code, _, stderr = dpfy("audit", str(run), *AUDIT)
+    assert code == 2 and "cannot write to" in one_error_line(stderr)
+    assert (run / "facts.json").read_bytes() == before
