@@ -646,13 +646,11 @@ def report(
     ] = False,
 ) -> None:
     """Re-render a run's privacy report card (or its diagnostics) from the facts it saved."""
-    from dpfy._safe_io import read_json
     from dpfy.report.render import render_run
 
     with _user_errors():
         if not (run_dir / "facts.json").exists():
             raise ValueError(_no_facts(run_dir))
-        read_json(run_dir / "facts.json", "facts")  # bounded, regular file: a FIFO never hangs
         shown = ReportFormat.json if as_json else format
         typer.echo(render_run(run_dir, shown.value, diagnostics=diagnostics))
 
