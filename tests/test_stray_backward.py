@@ -45,3 +45,19 @@ def test_a_stray_validation_backward_then_zero_grad_leaves_the_steps_exactly_as_
 def test_a_stray_backward_no_zero_grad_clears_is_refused_before_it_mixes_into_a_step():
     with pytest.raises(BatchRefused):
         train("left")
+
+
+def test_a_step_with_no_backward_pass_says_to_call_backward_first():
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    data = TensorDataset(torch.randn(64, 4), torch.arange(64) % 3)
+    private = dpfy.make_private(
+        net, torch.optim.SGD(net.parameters(), lr=0.5), data, batch_size=16, delta=1e-5,
+        max_grad_norm=0.5, noise_multiplier=1.0, steps=4,
+    )  # fmt: skip
+    x, _ = next(iter(private.loader))
+    private.model(x)  # a forward pass, and no backward
+    before = net.weight.detach().clone()
+    with pytest.raises(BatchRefused, match=r"call loss\.backward\(\)"):
+        private.optimizer.step()
+    assert private.ledger.steps == 0 and torch.equal(net.weight, before)

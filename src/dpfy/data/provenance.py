@@ -124,6 +124,12 @@ class Provenance:
 
     def check_size(self, batch: DrawnBatch, examples: int) -> None:
         """The examples the engine clipped must be the drawn batch, all of it and nothing else."""
+        if examples == 0 and batch.size > 0:
+            raise BatchRefused(
+                f"optimizer.step() was called with no backward pass over the batch of "
+                f"{batch.size} examples since the last step or zero_grad(): call "
+                "loss.backward() on the batch's loss before optimizer.step(). Nothing was changed"
+            )
         if examples != batch.size:
             raise BatchRefused(
                 f"the step clipped {examples} examples but the private loader drew a batch of "
