@@ -288,3 +288,25 @@ def test_a_bandmf_run_is_audited_whole_beside_its_claim_and_says_what_it_audited
         assert any("one whole run of T = 22 steps" in note for note in audit["notes"])
     report = (trained_bandmf / "report.md").read_text()
     assert "one trial = one canary in one whole run of T = 22 steps" in report
+
+
+def test_the_audit_plots_are_titled_with_the_audits_own_estimate_and_claim(
+    trained, tmp_path, monkeypatch
+):
+    import dpfy.jobs.audit as job
+
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    seen = []
+    real = job.write_audit_plots
+
+    def record(*args, **kwargs):
+        seen.append(kwargs.get("result"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job, "write_audit_plots", record)
+    code, _, stderr = dpfy(
+        "audit", str(run), "--method", "classical", "--canaries", "20", "--blocks", "10",
+        "--seed", "0",
+    )  # fmt: skip
+    assert code == 0, stderr
+    assert seen and seen[-1] is not None and seen[-1].method == "classical"

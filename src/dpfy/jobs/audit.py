@@ -423,7 +423,9 @@ def record_audits(run_dir: Path, facts: RunFacts, outcomes: tuple[AuditOutcome, 
     plots = _previous_plots(target)
     for index, outcome in enumerate(outcomes, start=len(facts.audits) + 1):
         name = f"{index}-{outcome.result.method}"
-        paths = write_audit_plots(outcome.scores_in, outcome.scores_out, run_dir / PLOTS_DIR, name)
+        paths = write_audit_plots(  # titles carry ε̂ and the claim this audit tested
+            outcome.scores_in, outcome.scores_out, run_dir / PLOTS_DIR, name, result=outcome.result
+        )
         plots[str(index - 1)] = {kind: str(p.relative_to(run_dir)) for kind, p in paths.items()}
     section = build_report(updated).to_json()["empirical_audit"]
     document = {
