@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,6 +28,7 @@ from dpfy._safe_io import atomic_write, atomic_write_text, write_failed
 from dpfy.jobs.config import public_seed
 from dpfy.jobs.finetune_config import FinetuneConfig, check_finetune_config
 from dpfy.jobs.finetune_setup import Prepared, prepare, public_inputs
+from dpfy.jobs.progress_bars import baseline_progress, step_progress, work_progress
 from dpfy.jobs.run_dir import claim_run_dir, release_run_dir
 from dpfy.train.builder import make_private
 from dpfy.train.session import PrivateTraining
@@ -74,16 +75,9 @@ def evaluate(model: nn.Module, data: TensorDataset, batch_size: int = 256) -> fl
 
 def _progress(console: Console) -> Progress:
     """A rich progress bar with the running loss, the last test accuracy and ε so far."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(
-            "loss {task.fields[loss]:.3f}  test acc {task.fields[acc]:.3f}  ε {task.fields[eps]}"
-        ),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
+    return step_progress(
+        console,
+        "loss {task.fields[loss]:.3f}  test acc {task.fields[acc]:.3f}  ε {task.fields[eps]}",
     )
 
 
@@ -144,9 +138,9 @@ def train_non_private(
     criterion = nn.CrossEntropyLoss()
     epochs = max(1, math.ceil(config.epochs))
     model.train()
-    with _progress(console or Console(quiet=True)) as progress:
+    with baseline_progress(console or Console(quiet=True)) as progress:
         task = progress.add_task("baseline without privacy", total=epochs * len(loader),
-                                 loss=math.nan, acc=math.nan, eps="none")  # fmt: skip
+                                 loss=math.nan)  # fmt: skip
         for _ in range(epochs):
             for *inputs, labels in loader:
                 optimizer.zero_grad()
@@ -206,9 +200,18 @@ def _finetune_into(run_dir: Path, config: FinetuneConfig, console: Console) -> F
     from dpfy.report.render import write_report
 
     started = time.perf_counter()
-    with console.status("loading the public weights and the data…") as status:
-        prepared = prepare(config, lambda what, done, total: status.update(
-            f"{what}: {done}/{total} examples"))  # fmt: skip
+    console.print(
+        "loading the public weights and the data, then caching the public features of every "
+        f"example through the frozen encoder (once; the slow part of --mode {config.mode})",
+        soft_wrap=True,
+    )
+    with work_progress(console) as progress:
+        task = progress.add_task("caching public features", total=None)
+
+        def advance(what: str, done: int, total: int) -> None:
+            progress.update(task, description=what, completed=done, total=total)
+
+        prepared = prepare(config, advance)
     private = make_private_run(prepared, config)
     console.print(_banner(prepared, private, config))
     with record_clip_norms(private) as norms:

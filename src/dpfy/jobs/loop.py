@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpfy.data.datasets import LoadedDataset
 from dpfy.jobs.config import TrainConfig
+from dpfy.jobs.progress_bars import step_progress
 from dpfy.plan.correlated_events import describe_strategy
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.variants import variant_for
@@ -132,17 +133,10 @@ def deferred_interrupts(enabled: bool = True) -> Iterator[StopRequest]:
 
 
 def _progress(console: Console) -> Progress:
-    """A rich progress bar with loss, accuracy and ε so far."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(
-            "loss {task.fields[loss]:.3f}  acc {task.fields[acc]:.3f}  ε {task.fields[eps]:.3f}"
-        ),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
+    """A rich progress bar with loss, accuracy and ε so far, and the time left."""
+    return step_progress(
+        console,
+        "loss {task.fields[loss]:.3f}  acc {task.fields[acc]:.3f}  ε {task.fields[eps]:.3f}",
     )
 
 

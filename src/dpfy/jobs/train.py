@@ -44,6 +44,7 @@ from dpfy.jobs.loop import (
     deferred_interrupts,
     train_private,
 )
+from dpfy.jobs.progress_bars import baseline_progress
 from dpfy.jobs.run_dir import claim_run_dir, release_run_dir
 from dpfy.train.builder import make_private
 from dpfy.train.distributed import (
@@ -136,18 +137,29 @@ def default_run_dir(config: TrainConfig) -> Path:
     )
 
 
-def train_baseline(config: TrainConfig, data: LoadedDataset) -> float:
-    """The same model, optimizer and schedule without privacy: the accuracy DP is compared to."""
+def train_baseline(
+    config: TrainConfig, data: LoadedDataset, console: Console | None = None
+) -> float:
+    """The same model, optimizer and schedule without privacy: the accuracy DP is compared to.
+
+    A progress bar on ``console`` (none without one).
+    """
     model, optimizer = fresh_model(config, data)
     generator = torch.Generator().manual_seed(public_seed(config.seed))
     loader = DataLoader(data.train, batch_size=config.batch_size, shuffle=True, generator=generator)
     criterion = nn.CrossEntropyLoss()
     epochs = max(1, math.ceil(config.epochs))
-    for _ in range(epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            criterion(model(x), y).backward()
-            optimizer.step()
+    with baseline_progress(console or Console(quiet=True)) as progress:
+        task = progress.add_task(
+            "baseline without privacy", total=epochs * len(loader), loss=math.nan
+        )
+        for _ in range(epochs):
+            for x, y in loader:
+                optimizer.zero_grad()
+                loss = criterion(model(x), y)
+                loss.backward()
+                optimizer.step()
+                progress.update(task, advance=1, loss=float(loss.detach()))
     return accuracy(model, data.test)
 
 
@@ -320,7 +332,7 @@ def _train_started(
     if not replicas.is_writer:  # rank 0 writes the run directory; the others are done
         result.seconds = job.seconds + time.perf_counter() - started
         return result
-    result.baseline_accuracy = train_baseline(config, data) if config.baseline else None
+    result.baseline_accuracy = train_baseline(config, data, console) if config.baseline else None
     result.seconds = job.seconds + time.perf_counter() - started
     state = JobState(history, outcome.merged(job.norms, norms), result.seconds)
     result.pitfalls = outcome.finished(
