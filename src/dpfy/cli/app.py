@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Iterator
@@ -158,6 +159,14 @@ def _user_errors() -> Iterator[None]:
             yield
         except ValueError as err:
             typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(USAGE_ERROR) from None
+        except OSError as err:  # a full disk, a read-only directory: one line, not a traceback
+            where = f" {err.filename}" if err.filename else ""
+            typer.echo(
+                f"error: cannot read or write{where} ({err.strerror or err}); check the path, "
+                "free space or choose a writable --out — files already written are unchanged",
+                err=True,
+            )
             raise typer.Exit(USAGE_ERROR) from None
         finally:
             for warning in caught:
@@ -853,7 +862,14 @@ def main() -> None:
     asks malloc to keep them (``DPFY_KEEP_FREED_MEMORY=0`` leaves malloc alone).
     """
     keep_freed_memory()
+    signal.signal(signal.SIGTERM, _terminate)
     app(prog_name="dpfy")
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler, a container stop, ``kill``) stops every command like Ctrl-C; a
+    training loop defers it to the end of its step (:mod:`dpfy.jobs.loop`)."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":  # pragma: no cover
