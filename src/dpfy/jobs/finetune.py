@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -79,6 +79,35 @@ def _progress(console: Console) -> Progress:
         console,
         "loss {task.fields[loss]:.3f}  test acc {task.fields[acc]:.3f}  ε {task.fields[eps]}",
     )
+
+
+class _CachingProgress:
+    """Feature caching's progress: one plain line and a bar with an estimate, started when the
+    caching begins (so a bad model or option before it stays one error line)."""
+
+    def __init__(self, console: Console, mode: str) -> None:
+        self.console, self.mode = console, mode
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+
+    def advance(self, what: str, done: int, total: int) -> None:
+        """``prepare``'s callback: ``done`` of ``total`` examples through the encoder."""
+        if self._progress is None:
+            self.console.print(
+                f"caching the public features of {total} examples through the frozen encoder "
+                f"(once; the slow part of --mode {self.mode})",
+                soft_wrap=True,
+            )
+            self._progress = work_progress(self.console)
+            self._progress.start()
+            self._task = self._progress.add_task(what, total=total)
+        assert self._task is not None
+        self._progress.update(self._task, description=what, completed=done, total=total)
+
+    def close(self) -> None:
+        """Stop the bar, if caching began."""
+        if self._progress is not None:
+            self._progress.stop()
 
 
 def train_private(
@@ -200,18 +229,11 @@ def _finetune_into(run_dir: Path, config: FinetuneConfig, console: Console) -> F
     from dpfy.report.render import write_report
 
     started = time.perf_counter()
-    console.print(
-        "loading the public weights and the data, then caching the public features of every "
-        f"example through the frozen encoder (once; the slow part of --mode {config.mode})",
-        soft_wrap=True,
-    )
-    with work_progress(console) as progress:
-        task = progress.add_task("caching public features", total=None)
-
-        def advance(what: str, done: int, total: int) -> None:
-            progress.update(task, description=what, completed=done, total=total)
-
-        prepared = prepare(config, advance)
+    caching = _CachingProgress(console, config.mode)
+    try:
+        prepared = prepare(config, caching.advance)
+    finally:
+        caching.close()
     private = make_private_run(prepared, config)
     console.print(_banner(prepared, private, config))
     with record_clip_norms(private) as norms:
