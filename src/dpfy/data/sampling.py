@@ -386,7 +386,55 @@ class FixedSizeSampler(DpBatchSampler):
         return self._source.choice(self.dataset_size, self.batch_size)
 
 
-class ShuffleSampler(DpBatchSampler):
+class EpochBatchSampler(DpBatchSampler):
+    """A sampler that deals the dataset out into k = N // B batches per epoch (each example in
+    at most one batch of an epoch): what shuffling and balls-in-bins share.
+
+    Subclasses draw an epoch's arrangement and cut it; ``_offset`` counts the batches already
+    handed out from the current one.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        steps: int | Fraction | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        secure: bool = False,
+        total: int | None = None,
+    ) -> None:
+        self.batch_size = check_batch_size(dataset_size, batch_size)
+        self._offset = 0
+        if steps is None:
+            steps = dataset_size // self.batch_size
+        super().__init__(dataset_size, steps, generator, secure=secure, total=total)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """k = N // B batches per epoch."""
+        return self.dataset_size // self.batch_size
+
+    def epoch_position(self, position: int) -> int:
+        """Read from the epoch's offset once that batch was cut (workers may draw ahead)."""
+        return int(self._snapshot_at(position)["offset"]) - 1
+
+    @property
+    def record(self) -> SamplingRecord:
+        """This kind of batches at q = B/N, with the batch size B."""
+        return SamplingRecord(
+            self.kind, self.batch_size / self.dataset_size, self.dataset_size, self.batch_size
+        )
+
+    def _checked_offset(self, offset: Any) -> int:
+        """A restored offset: a count of at most k batches."""
+        offset = check_count("offset", offset)
+        if offset > self.batches_per_epoch:
+            raise ValueError(f"offset {offset} exceeds {self.batches_per_epoch} batches per epoch")
+        return offset
+
+
+class ShuffleSampler(EpochBatchSampler):
     """Shuffle once per epoch and cut the permutation into ``N // B`` batches of exactly B.
 
     The ``N mod B`` examples left at the end of a permutation are skipped that epoch. Not
@@ -396,42 +444,7 @@ class ShuffleSampler(DpBatchSampler):
     """
 
     kind = SamplingKind.SHUFFLE
-
-    def __init__(
-        self,
-        dataset_size: int,
-        batch_size: int,
-        steps: int | None = None,
-        generator: torch.Generator | None = None,
-        *,
-        secure: bool = False,
-        total: int | None = None,
-    ) -> None:
-        self.batch_size = check_batch_size(dataset_size, batch_size)
-        self._permutation: torch.Tensor | None = None
-        self._offset = 0  # batches already cut from the current permutation
-        if steps is None:
-            steps = dataset_size // self.batch_size
-        super().__init__(dataset_size, steps, generator, secure=secure, total=total)
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """N // B full batches per permutation."""
-        return self.dataset_size // self.batch_size
-
-    def epoch_position(self, position: int) -> int:
-        """Read from the permutation's offset once that batch was cut (workers may draw ahead)."""
-        return int(self._snapshot_at(position)["offset"]) - 1
-
-    @property
-    def record(self) -> SamplingRecord:
-        """Shuffled batches, accounted as Poisson at q = B/N with the assumption flagged unmet."""
-        return SamplingRecord(
-            SamplingKind.SHUFFLE,
-            self.batch_size / self.dataset_size,
-            self.dataset_size,
-            self.batch_size,
-        )
+    _permutation: torch.Tensor | None = None  # the epoch's permutation, once drawn
 
     def _draw(self) -> torch.Tensor:
         if self._permutation is None or self._offset >= self.batches_per_epoch:
@@ -445,19 +458,17 @@ class ShuffleSampler(DpBatchSampler):
         return {"permutation": self._permutation, "offset": self._offset}
 
     def _restore_context(self, state: dict[str, Any]) -> None:
-        permutation, offset = state["permutation"], check_count("offset", state["offset"])
+        permutation, offset = state["permutation"], self._checked_offset(state["offset"])
         if permutation is not None:
             if not isinstance(permutation, torch.Tensor) or permutation.shape != (
                 self.dataset_size,
             ):
                 raise ValueError(f"permutation must be a tensor of {self.dataset_size} indices")
             permutation = permutation.to(torch.int64)
-        if offset > self.batches_per_epoch:
-            raise ValueError(f"offset {offset} exceeds {self.batches_per_epoch} batches per epoch")
         self._permutation, self._offset = permutation, offset
 
 
-class BallsInBinsSampler(DpBatchSampler):
+class BallsInBinsSampler(EpochBatchSampler):
     """Each epoch, every example goes to one of the epoch's k = N // B batches, uniformly at
     random and independently of the others (balls-in-bins, Chua et al., AISTATS 2025).
 
@@ -468,43 +479,8 @@ class BallsInBinsSampler(DpBatchSampler):
     """
 
     kind = SamplingKind.BALLS_IN_BINS
-
-    def __init__(
-        self,
-        dataset_size: int,
-        batch_size: int,
-        steps: int | Fraction | None = None,
-        generator: torch.Generator | None = None,
-        *,
-        secure: bool = False,
-        total: int | None = None,
-    ) -> None:
-        self.batch_size = check_batch_size(dataset_size, batch_size)
-        self._order: torch.Tensor | None = None  # example indices sorted by their batch
-        self._bounds: torch.Tensor | None = None  # where each batch starts in _order (k + 1)
-        self._offset = 0  # batches already handed out from the current assignment
-        if steps is None:
-            steps = dataset_size // self.batch_size
-        super().__init__(dataset_size, steps, generator, secure=secure, total=total)
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """k = N // B batches per epoch."""
-        return self.dataset_size // self.batch_size
-
-    def epoch_position(self, position: int) -> int:
-        """Read from the assignment's offset once that batch was cut (workers may draw ahead)."""
-        return int(self._snapshot_at(position)["offset"]) - 1
-
-    @property
-    def record(self) -> SamplingRecord:
-        """Balls-in-bins at B/N: one Gaussian per epoch, proven (no amplification claimed)."""
-        return SamplingRecord(
-            SamplingKind.BALLS_IN_BINS,
-            self.batch_size / self.dataset_size,
-            self.dataset_size,
-            self.batch_size,
-        )
+    _order: torch.Tensor | None = None  # example indices sorted by their batch
+    _bounds: torch.Tensor | None = None  # where each batch starts in _order (k + 1)
 
     def _draw(self) -> torch.Tensor:
         if self._order is None or self._offset >= self.batches_per_epoch:
@@ -527,9 +503,7 @@ class BallsInBinsSampler(DpBatchSampler):
         return {"bins": bins, "offset": self._offset}
 
     def _restore_context(self, state: dict[str, Any]) -> None:
-        bins, offset = state["bins"], check_count("offset", state["offset"])
-        if offset > self.batches_per_epoch:
-            raise ValueError(f"offset {offset} exceeds {self.batches_per_epoch} batches per epoch")
+        bins, offset = state["bins"], self._checked_offset(state["offset"])
         if bins is None:
             self._order = self._bounds = None
         else:
