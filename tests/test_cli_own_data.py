@@ -274,3 +274,15 @@ def test_the_card_counts_the_label_classes_but_never_prints_their_private_values
     published = (out / "report.md").read_text() + (out / "report.json").read_text()
     assert "3 distinct" in published
     assert "4711" not in published and "healthy" not in published
+
+
+def test_the_card_says_the_test_rows_are_private_rows_of_the_same_file(tmp_path):
+    data = write_csv(tmp_path / "patients.csv")
+    out = tmp_path / "run"
+    code, _, stderr = dpfy(
+        *QUICK, "--data", str(data), "--label", "target", "--feature-bounds", "0:10",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, stderr
+    card = " ".join((out / "report.md").read_text().split())
+    assert "private rows of the same file" in card and "outside the guarantee" in card

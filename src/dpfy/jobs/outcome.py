@@ -128,6 +128,17 @@ def merged(prior: NormLog, current: NormLog) -> NormLog:
     return log
 
 
+def _test_rows(config: TrainConfig, data: LoadedDataset) -> dict[str, str]:
+    """Where the test accuracy was measured, said plainly when it is private rows of the user's
+    own file: the guarantee does not cover them, and the split depends on every row's label."""
+    if config.data is None or config.test_data is not None:
+        return {}
+    return {
+        "evaluated_on": f"the {len(data.test)} test rows held out from {config.data} (private "
+        "rows of the same file, split by their labels: their accuracy is outside the guarantee)"
+    }
+
+
 def _facts(
     private: PrivateTraining,
     config: TrainConfig,
@@ -146,7 +157,9 @@ def _facts(
         model_name=config.model,
         dataset_source=data.source if split is None else f"{data.source}; {split.describe()}",
         preprocessing=data.preprocessing,
-        results=ResultFacts(accuracy=test_accuracy, baseline_accuracy=baseline),
+        results=ResultFacts(
+            accuracy=test_accuracy, baseline_accuracy=baseline, **_test_rows(config, data)
+        ),
         grad_norms=job.norms.stats(config.max_grad_norm) if job.norms.norms.size else None,
         optimizer_name=config.optimizer,
         learning_rate=config.lr,
