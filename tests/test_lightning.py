@@ -100,6 +100,7 @@ def test_the_fit_writes_the_report_card(tmp_path):
         ({"accumulate_grad_batches": 1}, "accumulate_grad_batches is 1"),
         ({"max_steps": 3}, "planned"),
         ({"gradient_clip_val": 1.0}, "gradient_clip_val"),
+        ({"limit_train_batches": 3}, "limit_train_batches is 3"),
     ],
 )
 def test_a_fit_that_differs_from_the_plan_is_refused_before_any_step(options, message):

@@ -103,6 +103,17 @@ def _fit_problems(trainer: Any, private: PrivateTraining, pieces: int) -> list[s
             f"max_steps is {trainer.max_steps}, but the run is planned (and accounted) for "
             f"{private.plan.steps} steps"
         )
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int) and limit % pieces:
+        problems.append(
+            f"limit_train_batches is {limit}, which cuts a batch of {pieces} pieces in the middle "
+            f"(a step is one whole loader batch); use a multiple of {pieces}"
+        )
+    if isinstance(limit, float) and limit != 1.0:
+        problems.append(
+            "limit_train_batches is a fraction, which may cut a batch's pieces in the middle; "
+            f"give a whole number of pieces, a multiple of {pieces}"
+        )
     if trainer.gradient_clip_val not in (None, 0, 0.0):
         problems.append(
             "gradient_clip_val is set: Lightning would clip the already private batch gradient; "
