@@ -4,8 +4,6 @@ exact masking against a per-example reference, the accounting against dp_account
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import dp_accounting as dpa
 import pytest
@@ -332,12 +330,14 @@ def test_cli_names_every_sampler_and_asks_truncated_poisson_for_its_cap(tmp_path
     from dpfy.jobs.config import SAMPLER_NAMES
 
     assert {"poisson", "truncated-poisson", "balls-in-bins", "shuffle"} <= set(SAMPLER_NAMES)
-    done = subprocess.run(
-        [sys.executable, "-m", "dpfy", "train", "--dataset", "digits", "--epochs", "1",
-         "--sampler", "truncated-poisson", "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 2
+    from typer.testing import CliRunner
+
+    from dpfy.cli.app import app
+
+    done = CliRunner().invoke(app, ["train", "--dataset", "digits", "--epochs", "1",
+                                    "--sampler", "truncated-poisson",
+                                    "--out", str(tmp_path / "run")])  # fmt: skip
+    assert done.exit_code == 2
     assert "needs max_batch_size=M" in done.stderr and "M = " in done.stderr
 
 

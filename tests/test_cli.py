@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
+from typer.testing import CliRunner
 
+from dpfy.cli.app import app
 from dpfy.plan.accounting import PldAccountant, RdpAccountant, dpsgd_event
 
 
 def dpfy(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dpfy", *args], capture_output=True, text=True, timeout=120
-    )
+    """The command in process (the installed entry point is run by tests/test_packaging.py)."""
+    result = CliRunner().invoke(app, list(args))
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
 
 
 ACCOUNT = ["account", "--sampling-rate", "0.005", "--noise-multiplier", "1", "--steps", "200"]
