@@ -334,12 +334,18 @@ def test_load_refusal_is_a_value_error_naming_the_file(run_copy):
 def test_loading_facts_from_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
     fifo = tmp_path / "facts.json"
     os.mkfifo(fifo)
-    signal.alarm(30)  # a blocking open would hang here: the alarm turns that into a failure
+
+    def hung(signum, frame):
+        raise AssertionError("RunFacts.load waited on a FIFO instead of refusing it")
+
+    previous = signal.signal(signal.SIGALRM, hung)  # a blocking open would hang: fail instead
+    signal.alarm(30)
     try:
         with pytest.raises(ValueError, match="not a regular file"):
             RunFacts.load(fifo)
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_failed_write_leaves_the_published_card_whole(run_copy, monkeypatch):
