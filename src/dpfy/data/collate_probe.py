@@ -7,7 +7,8 @@ the same fetched example collated alone — the very samples the batch was made 
 augmentation in the dataset raises no false alarm; a collate_fn that is random itself (it gives
 an example alone two different rows under two random states) cannot be compared and is stated
 as not checked. The verdict travels with the batch (:class:`Collated`), so it crosses worker
-processes; the loader reads it in the main process.
+processes; the loader reads it in the main process. A static-shape batch's padding rows (copies
+of one dataset row) are never the rows probed.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from dpfy.data.batches import batch_length
 from dpfy.data.check_schedule import CheckSchedule
+from dpfy.data.padding import Padding
 from dpfy.data.row_compare import first_difference, take_rows
 
 #: Verdicts a probe gives a batch: passed, coupled (with the problem) or skipped (with why).
@@ -34,33 +37,87 @@ class Collated(NamedTuple):
     verdict: tuple[str, str] | None = None
 
 
+#: Why a padded batch collated in a worker process is not probed.
+IN_WORKER = (
+    "the batch was collated in a worker process, which cannot tell a padded batch's examples "
+    "from its padding rows (the sampler draws in the main process; num_workers=0 checks it)"
+)
+
+
 class ProbingCollate:
     """Collate as the inner function does; on scheduled batches check each row stands alone.
 
     A class rather than a closure so that worker processes can pickle it. The schedule counts
-    the batches this process collated (with workers: each worker's own batches).
+    the batches this process collated (with workers: each worker's own batches). ``padding``
+    gives the padding marks of the batch being collated (None: not padded), read where the
+    sampler draws: in the main process (:class:`LastDrawn`); the probe then follows examples
+    only, never padding rows.
     """
 
-    def __init__(self, inner: Callable[[list[Any]], Any], schedule: CheckSchedule) -> None:
+    def __init__(
+        self,
+        inner: Callable[[list[Any]], Any],
+        schedule: CheckSchedule,
+        padding: Callable[[], Padding | None] | None = None,
+    ) -> None:
         self.inner = inner
         self.schedule = schedule
+        self.padding = padding
         self.calls = 0
 
     def __call__(self, samples: list[Any]) -> Collated:
         batch = self.inner(samples)
         due = self.schedule.due(self.calls)
         self.calls += 1
-        return Collated(batch, probe_collate(self.inner, samples, batch) if due else None)
+        return Collated(batch, self._probe(samples, batch) if due else None)
+
+    def _probe(self, samples: list[Any], batch: Any) -> tuple[str, str]:
+        """The probe's verdict on ``batch``, its rows drawn among the batch's examples."""
+        padding = None if self.padding is None else self.padding()
+        if padding is not None and get_worker_info() is not None:
+            return SKIPPED, IN_WORKER  # a worker's sampler copy does not draw: its marks are stale
+        examples = None if padding is None else padding.real
+        return probe_collate(self.inner, samples, batch, examples)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For a worker process: whether batches are padded, not the sampler (it stays here)."""
+        state = dict(self.__dict__)
+        if self.padding is not None:
+            state["padding"] = _padded if self.padding() is not None else None
+        return state
+
+
+class LastDrawn:
+    """The padding marks of the batch ``sampler`` drew last: in the main process, the batch
+    being collated (the DataLoader collates each batch as soon as it is drawn)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler  # a DpBatchSampler: ``position`` and ``padding(position)``
+
+    def __call__(self) -> Padding | None:
+        return self.sampler.padding(self.sampler.position)
+
+
+def _padded() -> Padding | None:
+    """A worker's stand-in for the sampler of padded batches: padded, rows unknown there."""
+    return Padding(1, 0)
 
 
 def probe_collate(
-    collate: Callable[[list[Any]], Any], samples: list[Any], batch: Any
+    collate: Callable[[list[Any]], Any],
+    samples: list[Any],
+    batch: Any,
+    examples: int | None = None,
 ) -> tuple[str, str]:
-    """Collate the last and a middle example alone; compare with their rows of ``batch``."""
+    """Collate the last and a middle example alone; compare with their rows of ``batch``.
+
+    ``examples``: how many of the first rows are examples (the rest: padding, never probed).
+    """
     size = len(samples)
-    if size < 2:
+    real = size if examples is None else min(examples, size)
+    if real < 2:
         return SKIPPED, "batches of fewer than two examples have nothing to couple"
-    for row in sorted({size - 1, size // 2}):
+    for row in sorted({real - 1, real // 2}):
         alone = _collate_twice(collate, samples[row])
         if alone is None:
             return SKIPPED, "the collate_fn is random (an example alone collates differently)"

@@ -2,8 +2,10 @@
 
 The probes of the collate path, the model and the loss each report a coupling against the
 batch it was seen on; the private step asks :meth:`BehaviourChecks.refuse` before anything
-changes, so a coupled batch is never applied. The state watch refuses a model changed outside
-the step. :meth:`BehaviourChecks.summary` is what the report card says of each check.
+changes, so a coupled batch is never applied. The probes follow examples, never the padding
+rows of a static-shape batch (``current``: the loader's batch in hand, which marks them). The
+state watch refuses a model changed outside the step. :meth:`BehaviourChecks.summary` is what
+the report card says of each check.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dpfy.data.check_schedule import CheckSchedule
 from dpfy.data.collate_probe import COUPLED, PASSED
 from dpfy.data.coupling import CheckTally, ExamplesCoupled
 from dpfy.data.provenance import DrawnBatch
+from dpfy.train.behaviour.example_rows import ExampleRows, all_rows
 from dpfy.train.behaviour.loss_probe import CheckedCriterion
 from dpfy.train.behaviour.model_probe import ModelProbe
 from dpfy.train.behaviour.state_watch import StateChanged, StateWatch
@@ -40,19 +43,23 @@ class BehaviourChecks:
         loss_reduction: str,
         criterion: Callable[..., torch.Tensor] | None = None,
         public_buffers: Iterable[str] = (),
+        current: Callable[[], DrawnBatch | None] | None = None,
+        chunk: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
         self.schedule = schedule
+        # the probes follow examples only: which rows of a pass are padding, from its batch
+        examples = all_rows if current is None else ExampleRows(current, chunk or _whole)
         self._found: dict[int, str] = {}  # batch number → the first coupling seen on it
         self._tallied: int | None = None  # the batch whose collate probe was counted
         self._state_problem: str | None = None
         self.collate = CheckTally("collate")
         if schedule.off:
             self.collate.skip("the independence checks were turned off")
-        self.model = ModelProbe(engine, schedule, batch_number, self._report)
+        self.model = ModelProbe(engine, schedule, batch_number, self._report, examples)
         self.loss: CheckedCriterion | None = None
         if criterion is not None:
             self.loss = CheckedCriterion(
-                criterion, schedule, batch_number, self._report, loss_reduction
+                criterion, schedule, batch_number, self._report, loss_reduction, examples
             )
         self.state = StateWatch(engine.model, public_buffers)
         self.state.record()
@@ -144,6 +151,11 @@ class BehaviourChecks:
         if self.state.public:
             summary["state"]["detail"] = "public buffers: " + ", ".join(sorted(self.state.public))
         return summary
+
+
+def _whole() -> tuple[int, int] | None:
+    """Without virtual batching a forward pass holds the whole batch."""
+    return None
 
 
 def _not_given() -> CheckTally:

@@ -7,7 +7,8 @@ under ``mean``, an in-batch contrastive loss, mixup of labels, smoothing towards
 label mix — attributes to each example something that depends on the others. On scheduled
 batches :class:`CheckedCriterion` recomputes the loss on the detached outputs and compares, for
 a few examples, the batched loss's gradient with respect to their outputs (times n for a mean)
-with the gradient of the same criterion on that example alone.
+with the gradient of the same criterion on that example alone (examples only: a static-shape
+batch's padding rows are never the ones compared).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from dpfy.data.check_schedule import CheckSchedule
 from dpfy.data.coupling import CheckTally
 from dpfy.data.row_compare import first_difference, leaves, map_rows, take_rows
+from dpfy.train.behaviour.example_rows import UNKNOWN_PADDING, ExampleCount, all_rows
 
 
 class CheckedCriterion:
@@ -36,6 +38,7 @@ class CheckedCriterion:
         batch_number: Callable[[], int | None],
         report: Callable[[int, str], None],
         loss_reduction: str,
+        examples: ExampleCount = all_rows,
     ) -> None:
         if not callable(criterion):
             raise ValueError(
@@ -47,6 +50,7 @@ class CheckedCriterion:
         self.batch_number = batch_number
         self.report = report
         self.loss_reduction = loss_reduction
+        self.examples = examples  # rows of the batch → its leading example rows (then padding)
         self.tally = CheckTally("loss")
         self.last_batch: int | None = None  # the batch it was last called on
         if schedule.off:
@@ -70,7 +74,11 @@ class CheckedCriterion:
             (int(t.shape[0]) for _, t in leaves(output) if isinstance(t, torch.Tensor) and t.dim()),
             None,
         )
-        if size is None or size < 2:
+        real = None if size is None else self.examples(size)
+        if size is not None and real is None:
+            self.tally.skip(UNKNOWN_PADDING)
+            return None
+        if size is None or real is None or real < 2:
             self.tally.skip("batches of fewer than two examples have nothing to couple")
             return None
         with torch.random.fork_rng(devices=[]):
@@ -81,7 +89,7 @@ class CheckedCriterion:
                 )
                 return None
             scale = float(size) if self.loss_reduction == "mean" else 1.0
-            for row in sorted({size - 1, size // 2}):
+            for row in sorted({real - 1, real // 2}):  # examples: padding rows follow them
                 picked = torch.tensor([row])
                 mine = [g.index_select(0, picked) * scale for g in batched]
                 alone = self._output_grads(

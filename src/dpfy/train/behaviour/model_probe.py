@@ -7,7 +7,9 @@ same dropout masks. A model that treats examples independently gives the probed 
 outputs they had; batch statistics (``h - h.mean(0)``, a hand-written batch norm), a layer fed a
 slice of the batch (``h[:1]``) or a mixup across rows do not. The module where the coupling
 enters is then found by comparing every submodule's inputs and outputs on the probed rows across
-the two passes: the first that receives the same rows but returns different ones is named.
+the two passes: the first that receives the same rows but returns different ones is named. The
+probed rows are examples, never a static-shape batch's padding rows (which are replaced as the
+other rows are).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.nn.utils.rnn import PackedSequence
 from dpfy.data.check_schedule import CheckSchedule
 from dpfy.data.coupling import CheckTally
 from dpfy.data.row_compare import batch_rows, first_difference, leaves, take_rows
+from dpfy.train.behaviour.example_rows import UNKNOWN_PADDING, ExampleCount, all_rows
 from dpfy.train.behaviour.rng_replay import RandomState
 from dpfy.train.grads.engine import GradEngine
 
@@ -40,12 +43,14 @@ class ModelProbe:
         schedule: CheckSchedule,
         batch_number: Callable[[], int | None],
         report: Callable[[int, str], None],
+        examples: ExampleCount = all_rows,
     ) -> None:
         self.model = engine.model
         self.engine = engine
         self.schedule = schedule
         self.batch_number = batch_number
         self.report = report  # (batch number, problem): a coupling found on that batch
+        self.examples = examples  # rows of a pass → its leading example rows (the rest: padding)
         self.tally = CheckTally("model")
         self.dim = 0 if engine.batch_first else 1
         self._rows = torch.Generator().manual_seed(0)  # which rows: never the user's stream
@@ -106,10 +111,14 @@ class ModelProbe:
             self.tally.skip("packed sequences have no batch dimension whose rows can be replaced")
             return None
         size = _batch_size((args, kwargs), self.dim)
-        if size is None or size < 2:
+        real = None if size is None else self.examples(size)
+        if size is not None and real is None:
+            self.tally.skip(UNKNOWN_PADDING)
+            return None
+        if size is None or real is None or real < 2:
             self.tally.skip("batches of fewer than two examples have nothing to couple")
             return None
-        rows = self._probed_rows(size)
+        rows = self._probed_rows(real)
         index = torch.full((size,), int(rows[0]), dtype=torch.long)
         index[rows] = rows
         filled = take_rows((args, kwargs), size, index, self.dim)
@@ -132,11 +141,12 @@ class ModelProbe:
         )
         return message, where
 
-    def _probed_rows(self, size: int) -> torch.Tensor:
-        """A few rows, never the first or last (layers fed ``h[:1]`` or ``h[-1:]`` show then)."""
-        if size < 3:
-            return torch.tensor([size - 1])
-        inner = torch.randperm(size - 2, generator=self._rows)[:_PROBED] + 1
+    def _probed_rows(self, real: int) -> torch.Tensor:
+        """A few example rows (of the first ``real``; padding rows follow them), never the first
+        or last example (layers fed ``h[:1]`` or ``h[-1:]`` show then)."""
+        if real < 3:
+            return torch.tensor([real - 1])
+        inner = torch.randperm(real - 2, generator=self._rows)[:_PROBED] + 1
         return inner.sort().values
 
     def _rerun(self, inputs: tuple[tuple[Any, ...], dict[str, Any]], start: _Start) -> Any:
