@@ -226,6 +226,8 @@ def make_private(
             loss_reduction=plan.loss_reduction,
             criterion=criterion,
             public_buffers=public_buffers,
+            current=lambda: loader.provenance.current,  # its padding rows are never probed
+            chunk=lambda: boundary.chunk,
         )
         replicas.prepare(grad_engine, behaviour)  # sharded models: fast engine, no model rerun
         private_optimizer = DPOptimizer(
