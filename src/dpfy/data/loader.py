@@ -177,6 +177,7 @@ class DPDataLoader(DataLoader):
         units = None if self.microbatches is None else self.microbatches.draw(size)
         unit = "example" if units is None else "microbatch"
         self._announce(size, units, unit, collated.verdict, padding)
+        self.provenance.hold(batch)
         return batch
 
     def _announce(

@@ -12,9 +12,11 @@ drawn batch's (a hand-made slice).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from dpfy._validate import check_count
 from dpfy.data.padding import Padding
@@ -62,6 +64,9 @@ class Provenance:
         self.drawn = 0  # batches handed out since the run began
         self.stepped = 0  # batches consumed by a completed private step
         self._next = 0  # the number the next step's batch must carry: none may be skipped
+        #: The tensors of the batch in hand as handed out, and each one's version counter then
+        #: (:meth:`hold`): a step that takes tensors rather than layer calls checks against it.
+        self._held: tuple[tuple[weakref.ref[torch.Tensor], int], ...] = ()
 
     def publish(
         self,
@@ -78,6 +83,43 @@ class Provenance:
         )
         self.drawn += 1
         return self.current
+
+    def hold(self, batch: Any) -> None:
+        """Remember the tensors of the batch just published, as handed out (weakly)."""
+        self._held = tuple(
+            (weakref.ref(t), t._version)
+            for t in pytree.tree_leaves(batch)
+            if isinstance(t, torch.Tensor)
+        )
+
+    def check_handed(self, tensors: tuple[torch.Tensor, ...]) -> DrawnBatch:
+        """The batch in hand, if ``tensors`` are its tensors as the loader handed them out.
+
+        A step fed tensors directly (:class:`~dpfy.train.compiled_step.CompiledStep`) must be fed
+        the very tensors of the loader's last batch — not a copy, a slice, another batch of the
+        same size, or the batch after an in-place write (each tensor's version counter) — so
+        that which rows it holds is what the sampler drew.
+        """
+        batch = self.current
+        held = {id(t): version for ref, version in self._held if (t := ref()) is not None}
+        for tensor in tensors:
+            if id(tensor) not in held:
+                raise BatchRefused(
+                    "this step was given tensors that are not the private loader's last batch "
+                    "(a copy, a slice, a tensor moved to another device or dtype, or a batch "
+                    "made by hand), so which examples it holds is not what the sampler drew; "
+                    "pass the batch exactly as `for batch in private.loader:` handed it out "
+                    "(move data to the device in the dataset or collate_fn). Nothing was changed"
+                )
+            if tensor._version != held[id(tensor)]:
+                raise BatchRefused(
+                    "a tensor of the loader's batch was written in place after it was handed "
+                    "out, so its rows may no longer be the examples the sampler drew; transform "
+                    "data in the dataset or collate_fn, not in the loop. Nothing was changed"
+                )
+        if batch is None:  # a fresh Provenance holds nothing, so this is unreachable
+            raise BatchRefused("no batch has been drawn by the private loader yet")
+        return batch
 
     def reorder(self, order: torch.Tensor) -> torch.Tensor:
         """The batch in hand was permuted by ``order`` (virtual batching): permute its units."""
@@ -164,4 +206,4 @@ class Provenance:
         if stepped > drawn:
             raise ValueError(f"{stepped} batches stepped but only {drawn} drawn")
         self.drawn, self.stepped = drawn, stepped
-        self.current, self._next = None, drawn
+        self.current, self._next, self._held = None, drawn, ()

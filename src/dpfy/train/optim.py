@@ -198,16 +198,26 @@ class DPOptimizer(torch.optim.Optimizer):
                 "and train on: skipping a batch because of one example is not accounted"
             )
         self.accumulation.clipped(batch)
-        if not closes:
-            return
+        if closes:
+            self.commit(batch, self.engine.num_examples, self._write_private_grads)
+
+    def commit(self, batch: DrawnBatch, examples: int, write_grads: Callable[[], None]) -> None:
+        """Account ``batch``'s step, write the private gradients, update, record — in that order.
+
+        Every path that releases a step ends here (the hooked step, and the compiled step of
+        :mod:`dpfy.train.compiled_step`, which clips outside the engine): the step's event, the
+        check that ``examples`` is the drawn batch, and the budget guard run before
+        ``write_grads`` sets any ``.grad``; once it has, the step is recorded whatever the
+        update does.
+        """
         sampling = self._guarded(self.mechanism.sampling, self.sampling, batch)
         sampling = self._guarded(sampling.at_epoch_position, batch.epoch_position)
         sigma = self.plan.noise_multiplier
         charged = self._guarded(self.mechanism.step_event, sampling, batch, sigma)
-        record = StepRecord(sampling, sigma, batch_size=self.engine.num_examples, charged=charged)
-        self._guarded(self._explained, self.provenance.check_size, batch, self.engine.num_examples)
+        record = StepRecord(sampling, sigma, batch_size=examples, charged=charged)
+        self._guarded(self._explained, self.provenance.check_size, batch, examples)
         self._guarded(self.ledger.check_step, record)  # BudgetExhausted before anything changes
-        self._write_private_grads()
+        write_grads()
         try:  # the privatised gradient now exists: it is accounted whatever the update does
             self.original_optimizer.step()
         finally:
@@ -239,6 +249,38 @@ class DPOptimizer(torch.optim.Optimizer):
             chunked=self.boundary.chunk is not None,
         )
         batch = self.provenance.check(self.engine.batch_stamps())
+        self._check_batch_fits(batch, closes)
+        return batch
+
+    def take_handed(self, tensors: tuple[torch.Tensor, ...]) -> DrawnBatch:
+        """The batch a step fed its tensors directly uses, after a hooked step's refusals.
+
+        For :class:`~dpfy.train.compiled_step.CompiledStep`, which computes per-example
+        gradients outside the engine: ``tensors`` must be the loader's last batch as handed out
+        (:meth:`~dpfy.data.provenance.Provenance.check_handed`), no backward pass may have
+        captured gradients since the last step (two paths would feed one step), and the rest is
+        :meth:`_take_batch`'s: parameters, skipped or reused batches, units, the mechanism's and
+        the behaviour checks' refusals.
+        """
+        return self._guarded(self._checked_handed, tensors)
+
+    def _checked_handed(self, tensors: tuple[torch.Tensor, ...]) -> DrawnBatch:
+        """:meth:`take_handed` without the clean-up on refusal."""
+        if self.engine.batch_stamps() or self.accumulation.open is not None:
+            raise BatchRefused(
+                "a backward pass captured gradients (or accumulate() opened a sum) since the last "
+                "step, and this compiled step computes its own: one step may not take both. Call "
+                "optimizer.zero_grad() to drop them, and train with one kind of step. Nothing was "
+                "changed"
+            )
+        self._check_updated_params()
+        handed = self.provenance.check_handed(tensors)
+        batch = self.provenance.check({handed.number})
+        self._check_batch_fits(batch, closes=True)
+        return batch
+
+    def _check_batch_fits(self, batch: DrawnBatch, closes: bool) -> None:
+        """Refuse a batch whose units, mechanism position or behaviour do not fit this step."""
         if batch.unit != self.clipping_unit:
             raise BatchRefused(
                 f"the loader's batches are clipped per {batch.unit} but this optimizer accounts "
@@ -248,7 +290,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.mechanism.check(batch)
         if self.behaviour is not None:  # a coupled batch or a model changed outside the step
             self.behaviour.refuse(batch, closing=closes)
-        return batch
 
     def _check_updated_params(self) -> None:
         """Every parameter the wrapped optimizer would update must be one the engine privatises."""

@@ -25,6 +25,7 @@ from dpfy.data.loader import DPDataLoader
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.train import report_seam
 from dpfy.train.checkpoints import save_atomically, seal, unseal
+from dpfy.train.compiled_step import CompiledStep
 from dpfy.train.distributed import (
     ProcessGroupReplicas,
     SingleProcess,
@@ -96,6 +97,47 @@ class PrivateTraining:
                 "target)"
             )
         return behaviour.loss
+
+    def compiled_step(
+        self,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        *,
+        compile: bool = True,
+        compile_options: dict[str, Any] | None = None,
+    ) -> CompiledStep:
+        """A private step that is one function of the batch: ``loss = step(x, y)`` per batch.
+
+        Per-example gradients come from ``torch.func`` (each example alone) and, with
+        ``compile=True``, the clip-and-sum is compiled by ``torch.compile`` once per batch shape,
+        so it needs a sampler whose batches all have the same rows
+        (``sampler="truncated-poisson"`` with ``max_batch_size``, or ``"fixed-size"``).
+        ``criterion`` defaults to the one given to make_private; ``compile_options`` go to
+        ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``). Use it instead of
+        ``loss.backward(); optimizer.step()``, with the loader's batches as handed out::
+
+            step = private.compiled_step()
+            for x, y in private.loader:
+                loss = step(x, y)
+
+        The same guarantees and the same ledger as the hooked step
+        (:mod:`dpfy.train.compiled_step`).
+        """
+        if isinstance(self.loader, VirtualBatchLoader):
+            raise ValueError(
+                "the compiled step takes each loader batch whole; drop max_physical_batch_size "
+                "(lower max_batch_size instead to fit memory)"
+            )
+        if criterion is None:
+            behaviour = self.optimizer.behaviour
+            if behaviour is None or behaviour.loss is None:
+                raise ValueError(
+                    "the compiled step needs the loss: pass criterion=your_loss to make_private "
+                    "or to compiled_step"
+                )
+            criterion = behaviour.loss.criterion
+        return CompiledStep(
+            self.model, self.optimizer, criterion, compile=compile, compile_options=compile_options
+        )
 
     @property
     def noise_multiplier(self) -> float:
