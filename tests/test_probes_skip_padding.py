@@ -258,3 +258,36 @@ def test_a_worker_is_told_only_whether_batches_are_padded():
         _utils.worker._worker_info = None
     unpadded = pickle.loads(pickle.dumps(ProbingCollate(torch.stack, schedule, lambda: None)))
     assert unpadded.padding is None and unpadded(samples).verdict[0] == "passed"
+
+
+def test_under_virtual_batching_each_chunk_is_probed_among_its_own_examples(monkeypatch):
+    """max_physical_batch_size cuts a padded batch into chunks: a chunk's examples are the
+    batch's examples that fall in it (the last chunks may hold padding only)."""
+    seen: list[tuple[int, int]] = []
+    calls: list[int] = []
+    original = ModelProbe._probed_rows
+    private = _private(_mlp(), max_physical_batch_size=8)
+    drawn = private.loader.provenance
+    boundary = private.optimizer.boundary
+
+    def model_rows(self, examples):
+        start, stop = boundary.chunk
+        in_chunk = drawn.current.padding.chunk(start, stop).real
+        rows = original(self, examples)
+        assert examples == in_chunk
+        calls.append(in_chunk)
+        seen.extend((int(r), in_chunk) for r in rows)
+        return rows
+
+    monkeypatch.setattr(ModelProbe, "_probed_rows", model_rows)
+    chunks = 0
+    for x, y in private.loader:
+        assert x.shape[0] == (M - 16 if boundary.chunk[0] == 16 else 8)
+        chunks += 1
+        F.cross_entropy(private.model(x), y).backward()
+        private.optimizer.step()
+        private.optimizer.zero_grad()
+    assert private.ledger.steps == STEPS and chunks == 3 * STEPS
+    assert seen and all(row < real for row, real in seen)
+    probes = private.optimizer.behaviour.summary()["model"]["probes"]
+    assert probes == len(calls) < chunks  # chunks of fewer than two examples: skipped
