@@ -392,3 +392,51 @@ def test_a_checkpoint_resumes_a_compiled_run(tmp_path):
     x, y = next(iter(resumed.loader))
     again(x, y)
     assert resumed.ledger.steps == 3
+
+
+def test_a_model_changed_outside_the_step_is_refused():
+    private = _run()
+    step = private.compiled_step(compile=False)
+    batches = iter(private.loader)
+    step(*next(batches))
+    with torch.no_grad():
+        private.model[0].weight.add_(1.0)  # an update the ledger never saw
+    changed = _params(private.model)
+    with pytest.raises(BatchRefused, match="changed outside"):
+        step(*next(batches))
+    _unchanged(private, changed, steps=1)
+
+
+def _standardising_collate(samples):
+    x = torch.stack([s[0] for s in samples])
+    y = torch.stack([s[1] for s in samples])
+    return (x - x.mean(0)) / (x.std(0) + 1e-6), y
+
+
+def test_a_collate_fn_with_batch_statistics_is_still_refused():
+    """Each example computed alone covers the model and loss, not what collate_fn did before."""
+    loader = torch.utils.data.DataLoader(_data(), batch_size=B, collate_fn=_standardising_collate)
+    private = _run(data=loader, sampler="poisson")
+    step = private.compiled_step(compile=False)
+    x, y = next(iter(private.loader))
+    before = _params(private.model)
+    with pytest.raises(BatchRefused, match="collate_fn"):
+        step(x, y)
+    _unchanged(private, before)
+
+
+def test_poisson_batches_of_every_size_run_eagerly_and_spend_what_the_hooked_step_spends():
+    hooked, eager = _run(sampler="poisson"), _run(sampler="poisson")
+    criterion = nn.CrossEntropyLoss()
+    for x, y in hooked.loader:
+        hooked.optimizer.zero_grad()
+        criterion(hooked.model(x), y).backward()
+        hooked.optimizer.step()
+    step = eager.compiled_step(compile=False)
+    sizes = set()
+    for x, y in eager.loader:
+        sizes.add(len(y))
+        step(x, y)
+    assert len(sizes) > 1
+    assert eager.ledger.steps == hooked.ledger.steps
+    assert eager.epsilon() == pytest.approx(hooked.epsilon(), rel=1e-12)

@@ -62,6 +62,7 @@ _BY_CONSTRUCTION = (
     "alone (the model and criterion run on a batch of one row under torch.func.vmap)"
 )
 
+#: (params, weights, *batch) → (clipped sums by name, all norms finite, mean loss of examples).
 ClippedSum = Callable[..., tuple[dict[str, Tensor], Tensor, Tensor]]
 
 
@@ -89,6 +90,7 @@ class CompiledStep:
         self.compiled = compile
         self._params = dict(optimizer.engine.params)  # name → Parameter, the privatised ones
         self._aside = _HooksAside(model)
+        self._weight_cache: dict[tuple[int, int], Tensor] = {}
         function = _clipped_sum(model, criterion, optimizer.plan.max_grad_norm)
         self._function: ClippedSum = (
             torch.compile(function, dynamic=False, **(compile_options or {}))
@@ -114,14 +116,13 @@ class CompiledStep:
         examples = _examples(drawn, rows, batch)
         weights = self._weights(rows, examples)
         params = {name: p.detach() for name, p in self._params.items()}
-        buffers = {name: b.detach() for name, b in self.model.named_buffers()}
         try:
             with self._aside.set_aside(), optimizer.engine.paused():
-                sums, norms, losses = self._function(params, buffers, weights, *batch)
+                sums, finite, loss = self._function(params, weights, *batch)
         except RuntimeError as err:
             optimizer._abandon()
             raise _explained(err) from err
-        if not bool(torch.isfinite(norms).all()):
+        if not bool(finite):
             optimizer._abandon()
             raise NonFiniteGradientError(
                 "a per-example gradient is NaN or infinite (a non-finite loss, or a padding row "
@@ -129,14 +130,19 @@ class CompiledStep:
                 "are unchanged — check the inputs and the loss, or lower the learning rate"
             )
         optimizer.commit(drawn, examples, lambda: self._write(sums))
-        real = losses[:examples]
-        return real.mean().detach() if examples else losses.new_zeros(())
+        return loss
 
     def _weights(self, rows: int, examples: int) -> Tensor:
-        """Each row's weight in the sum: 1/B (the expected batch size) for examples, 0 padding."""
-        device = next(iter(self._params.values())).device
-        weights = torch.zeros(rows, device=device)
-        weights[:examples] = self.optimizer.aggregation.scale
+        """Each row's weight in the sum: 1/B (the expected batch size) for examples, 0 padding.
+
+        Kept per (rows, examples): a static-shape run meets a few hundred pairs at most.
+        """
+        weights = self._weight_cache.get((rows, examples))
+        if weights is None:
+            device = next(iter(self._params.values())).device
+            weights = torch.zeros(rows, device=device)
+            weights[:examples] = self.optimizer.aggregation.scale
+            self._weight_cache[(rows, examples)] = weights
         return weights
 
     def _write(self, sums: dict[str, Tensor]) -> None:
@@ -182,17 +188,17 @@ def _check_fits(optimizer: DPOptimizer, compile: bool) -> None:
 
 
 def _clipped_sum(model: nn.Module, criterion: Callable[..., Tensor], clip: float) -> ClippedSum:
-    """(params, buffers, weights, *batch) → (Σ_i w_i·clip_C(g_i) by name, ‖g_i‖, loss_i).
+    """(params, weights, *batch) → (Σ_i w_i·clip_C(g_i) by name, all ‖g_i‖ finite, mean loss).
 
     Per-example gradients are ``vmap`` of ``grad`` of the model and criterion on one row (guide
     alg. 1); each row is scaled by min(1, C/‖g_i‖) over all parameters together, times its weight.
+    Buffers are read from the model itself (unbatched: a write into one fails under ``vmap``).
+    The mean loss is over rows of weight > 0 (the examples), for the caller's progress only.
     """
 
-    def loss_of_one(
-        params: dict[str, Tensor], buffers: dict[str, Tensor], *row: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    def loss_of_one(params: dict[str, Tensor], *row: Tensor) -> tuple[Tensor, Tensor]:
         inputs = tuple(t.unsqueeze(0) for t in row[:-1])
-        output = functional_call(model, (params, buffers), inputs, strict=False)
+        output = functional_call(model, params, inputs, strict=False)
         loss = criterion(output, row[-1].unsqueeze(0))
         if loss.numel() != 1:
             raise ValueError(
@@ -205,17 +211,17 @@ def _clipped_sum(model: nn.Module, criterion: Callable[..., Tensor], clip: float
     per_example = grad(loss_of_one, has_aux=True)
 
     def clipped_sum(
-        params: dict[str, Tensor], buffers: dict[str, Tensor], weights: Tensor, *batch: Tensor
+        params: dict[str, Tensor], weights: Tensor, *batch: Tensor
     ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-        in_dims = (None, None, *([0] * len(batch)))
-        grads, losses = vmap(per_example, in_dims=in_dims, randomness="different")(
-            params, buffers, *batch
-        )
+        in_dims = (None, *([0] * len(batch)))
+        grads, losses = vmap(per_example, in_dims=in_dims, randomness="different")(params, *batch)
         squares = [g.flatten(1).float().square().sum(1) for g in grads.values()]
         norms = torch.stack(squares).sum(0).sqrt()
         factors = clip / norms.clamp(min=clip) * weights  # 1 when ‖g‖ ≤ C; never ÷ 0
         sums = {name: torch.tensordot(factors.to(g.dtype), g, dims=1) for name, g in grads.items()}
-        return sums, norms, losses
+        examples = weights > 0
+        loss = (losses * examples).sum() / examples.sum().clamp(min=1)
+        return sums, torch.isfinite(norms).all(), loss
 
     return clipped_sum
 
