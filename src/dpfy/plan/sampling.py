@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from dpfy._validate import check_count, check_sampling_rate
 from dpfy.plan.accounting.events import (
+    BallsInBinsEpochEvent,
     DpEvent,
     FixedSizeSampledEvent,
     GaussianEvent,
@@ -77,9 +78,9 @@ _DESCRIPTIONS = {
         "Balls-in-bins sampling (Chua et al. 2025): at the start of every epoch of k = N // B "
         "steps, each example was assigned to one of the epoch's k batches uniformly at random, "
         "independently of the others (batch sizes vary; empty batches are steps too). Each "
-        "example is in exactly one batch per epoch, so the accounting charges one Gaussian "
-        "mechanism of noise σ per epoch, at the epoch's first step: a proven bound that claims "
-        "no amplification from the random assignment."
+        "epoch is charged at its first step as random allocation of each example to 1 of k "
+        "Gaussian steps of noise σ (Feldman & Shenfeld 2025): a proven upper bound, computed "
+        "without sampling, that includes the amplification from the random assignment."
     ),
     SamplingKind.FIXED_SIZE: (
         "Fixed-size batches drawn uniformly without replacement at every step: NOT Poisson. "
@@ -211,7 +212,7 @@ class SamplingRecord:
         """The event of ``steps`` steps drawn this way, from the first (what σ is planned on)."""
         if self.kind is SamplingKind.BALLS_IN_BINS:
             epochs = math.ceil(steps / self.batches_per_epoch)
-            return SelfComposedEvent(GaussianEvent(noise_multiplier), epochs)
+            return SelfComposedEvent(self._epoch_event(noise_multiplier), epochs)
         return SelfComposedEvent(self.event(noise_multiplier), steps)
 
     @property
@@ -254,7 +255,7 @@ class SamplingRecord:
                     "a balls-in-bins step is charged by its place in the epoch: take the step's "
                     "record from at_epoch_position"
                 )
-            return GaussianEvent(noise_multiplier) if self.epoch_start else NoOpEvent()
+            return self._epoch_event(noise_multiplier) if self.epoch_start else NoOpEvent()
         if self.kind is SamplingKind.TRUNCATED_POISSON:
             return TruncatedPoissonSampledEvent(
                 self.sampling_rate,
@@ -267,6 +268,10 @@ class SamplingRecord:
                 self.dataset_size, self.batch_size, GaussianEvent(noise_multiplier)
             )
         return self.poisson_event(noise_multiplier)
+
+    def _epoch_event(self, noise_multiplier: float) -> DpEvent:
+        """A balls-in-bins epoch, charged in full (a partial last epoch too): 1 of k steps."""
+        return BallsInBinsEpochEvent(noise_multiplier, self.batches_per_epoch)
 
     def poisson_event(self, noise_multiplier: float) -> DpEvent:
         """The event this step would be under Poisson sampling at the same q (for comparison).

@@ -175,13 +175,15 @@ SAMPLER_WORDING: dict[str, SamplerWording] = {
         poisson_comparison=True,
     ),
     "balls-in-bins": SamplerWording(
-        "Met, without amplification: at the start of every epoch each example was assigned to "
-        "one of its k = N // B batches uniformly at random (balls-in-bins, Chua et al. 2025), "
-        "so it took part in exactly one step per epoch, and the accountant charged one Gaussian "
-        "mechanism of noise σ per epoch, which holds for any assignment. The amplification the "
-        "random assignment gives (close to Poisson sampling's in Chua et al.'s estimates) is "
-        "known only by Monte Carlo and is not claimed; ε under the Poisson assumption = {eps} is "
-        "for comparison only.",
+        "Met: at the start of every epoch each example was assigned to one of its k = N // B "
+        "batches uniformly at random (balls-in-bins, Chua et al. 2025), so it took part in "
+        "exactly one step per epoch. ε is the random-allocation bound (Feldman & Shenfeld, "
+        '"Privacy amplification by random allocation", 2025): each epoch is charged at its '
+        "first step, in full, as one example allocated to 1 of k Gaussian steps of noise σ, "
+        "dominated by the pair (1/k)Σⱼ N(eⱼ/σ, I) vs N(0, I) in both directions of "
+        "add-or-remove, and computed as a proven upper bound (a pessimistic discretisation of "
+        "its privacy loss distribution, no Monte Carlo). ε under the Poisson assumption = {eps} "
+        "is for comparison only.",
         "B/N (1/k: each example is in one of the epoch's k batches)",
         poisson_comparison=True,
     ),

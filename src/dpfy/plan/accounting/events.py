@@ -153,6 +153,25 @@ class FixedSizeSampledEvent(DpEvent):
 
 
 @dataclass(frozen=True)
+class BallsInBinsEpochEvent(DpEvent):
+    """One epoch of balls-in-bins sampling: each record in one of ``steps_per_epoch`` Gaussian
+    steps of noise multiplier σ, chosen uniformly at random (random allocation, 1 of t).
+
+    Chua et al. 2025 ("Balls-and-Bins Sampling for DP-SGD"); the PLD accountant bounds it by the
+    random-allocation pair of :mod:`dpfy.plan.accounting.random_allocation` (Feldman & Shenfeld
+    2025). With one step per epoch it is ``GaussianEvent(σ)``.
+    """
+
+    noise_multiplier: float
+    steps_per_epoch: int
+
+    def __post_init__(self) -> None:
+        check_positive("noise_multiplier", self.noise_multiplier)
+        steps = check_count("steps_per_epoch", self.steps_per_epoch, minimum=1)
+        object.__setattr__(self, "steps_per_epoch", steps)
+
+
+@dataclass(frozen=True)
 class SelfComposedEvent(DpEvent):
     """``event`` run ``count`` times in sequence (adaptively)."""
 

@@ -34,11 +34,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from dpfy.plan.accounting.accountant import Accountant, register_accountant
 from dpfy.plan.accounting.events import (
+    BallsInBinsEpochEvent,
     ComposedEvent,
     DpEvent,
     FixedSizeSampledEvent,
@@ -68,6 +70,7 @@ from dpfy.plan.accounting.pld_pairs import (
     PureDpPair,
 )
 from dpfy.plan.accounting.pld_rounding import MANY_LEAVES, dominating_gaussians
+from dpfy.plan.accounting.random_allocation import RandomAllocationLeaf
 from dpfy.plan.accounting.truncation import split_truncation
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +88,12 @@ _RDP_ONLY = (RepeatAndSelectEvent, FixedSizeSampledEvent)
 _REPLACE_ONE_POISSON = (
     "Poisson sampling is accounted under add-or-remove or zero-out adjacency; under "
     "replace-one use fixed-size sampling (FixedSizeSampledEvent) with accountant='rdp'"
+)
+
+
+_REPLACE_ONE_BALLS_IN_BINS = (
+    "balls-in-bins epochs are accounted under add-or-remove or zero-out adjacency (the "
+    "random-allocation pair); under replace-one no bound is implemented"
 )
 
 
@@ -136,6 +145,12 @@ def _leaves(
         mu = relation.sensitivity_factor * math.sqrt(event.depth) / event.noise_multiplier
         key = (GaussianPair, mu, 1.0)
         out[key] = out.get(key, 0) + times
+    elif kind is BallsInBinsEpochEvent:  # random allocation, 1 of t (random_allocation)
+        if relation is NeighbouringRelation.REPLACE_ONE:
+            raise _Unsupported(_REPLACE_ONE_BALLS_IN_BINS)
+        t = event.steps_per_epoch
+        key = (GaussianPair if t == 1 else RandomAllocationLeaf(t), 1 / event.noise_multiplier, 1.0)
+        out[key] = out.get(key, 0) + times
     elif kind in _PAIRS:
         pair, parameter = _PAIRS[kind]
         key = (pair, parameter(event, relation.sensitivity_factor), 1.0)
@@ -165,9 +180,13 @@ def _sampled_leaf(event: PoissonSampledEvent, relation: NeighbouringRelation) ->
     return (pair, parameter(inner, relation.sensitivity_factor), rate)
 
 
-def _leaf_counts(keys: dict[_Key, int]) -> dict[_Leaf, int]:
-    """Distinct leaf keys → leaves, each pair made once."""
-    return {_Leaf(pair(parameter), rate): n for (pair, parameter, rate), n in keys.items()}
+def _leaf_counts(keys: dict[_Key, int], points: int) -> dict[_Leaf, int]:
+    """Distinct leaf keys → leaves, each pair made once (a lattice-built pair on ``points``)."""
+    return {
+        _Leaf(pair(parameter, points) if getattr(pair, "takes_points", False) else pair(parameter),
+              rate): n
+        for (pair, parameter, rate), n in keys.items()
+    }  # fmt: skip
 
 
 @register_accountant
@@ -247,16 +266,26 @@ def _rounded(keys: dict[_Key, int], precision: PldPrecision) -> dict[_Key, int]:
 
 def _compose_leaves(keys: dict[_Key, int], precision: PldPrecision) -> list[DiscretePld]:
     """Both directions' composed PLDs; one suffices when nothing is subsampled (symmetric pairs)."""
-    leaves = _leaf_counts(_rounded(keys, precision))
+    leaves = _leaf_counts(_rounded(keys, precision), precision.max_points)
     if not leaves:
         return [DiscretePld(1.0, 0, np.ones(1), 0.0)]
     directions = [True]
-    if any(leaf.sampling_rate < 1 for leaf in leaves):
+    if any(leaf.sampling_rate < 1 or _directed(leaf.pair) for leaf in leaves):
         directions.append(False)
     return [
         compose_directions(
-            {Direction(lf.pair, lf.sampling_rate, way): c for lf, c in leaves.items()},
+            {Direction(_way(lf.pair, way), lf.sampling_rate, way): c for lf, c in leaves.items()},
             precision,
         )
         for way in directions
     ]
+
+
+def _directed(pair: object) -> bool:
+    """Whether a leaf carries one dominating pair per direction (balls-in-bins epochs)."""
+    return hasattr(pair, "directed")
+
+
+def _way(pair: Any, removal: bool) -> LikelihoodRatioPair:
+    """The pair a direction composes: a directed leaf's own pair for it, else the leaf's pair."""
+    return pair.directed(removal) if _directed(pair) else pair

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from dpfy.plan.accounting.events import (
+    BallsInBinsEpochEvent,
     DpEvent,
     GaussianEvent,
     LaplaceEvent,
@@ -87,6 +88,20 @@ def _pure_epsilon(event: DpEvent, relation: NeighbouringRelation) -> float:
     """The RDP at order ∞ (pure-DP ε) of a leaf event, ∞ when it has none (e.g. Gaussian)."""
     rule = _PURE_EPSILON.get(type(event))
     return math.inf if rule is None else rule(event, relation)
+
+
+# -- balls-in-bins epochs: refused, with where to go ---------------------------------------------
+_BALLS_IN_BINS = (
+    "the RDP accountant has no bound for a balls-in-bins epoch (random allocation); the PLD "
+    "accountant has one: use accountant='pld'"
+)
+
+
+@_rule(BallsInBinsEpochEvent, lambda event, relation: _BALLS_IN_BINS)
+def _balls_in_bins_curve(
+    event: BallsInBinsEpochEvent, relation: NeighbouringRelation, orders: np.ndarray
+) -> np.ndarray:  # pragma: no cover - the reason above refuses every such event first
+    raise ValueError(_BALLS_IN_BINS)
 
 
 # -- DP-FTRL tree aggregation (Kairouz et al. 2021, App. D) --------------------------------------

@@ -2,7 +2,7 @@
 
 Poisson sampling unless another sampler is chosen (truncated Poisson: padded to a static batch
 shape, the cut charged in δ; shuffle: accounted as Poisson with the assumption flagged;
-balls-in-bins: one Gaussian per epoch, no amplification claimed; fixed-size: replace-one
+balls-in-bins: each epoch charged as random allocation, 1 of k steps; fixed-size: replace-one
 adjacency, RDP), independent Gaussian noise.
 """
 

@@ -1,0 +1,271 @@
+"""One epoch of balls-in-bins (random allocation, 1 of t steps) with the Gaussian mechanism, as a
+pair of dominating discrete privacy-loss distributions that the PLD accountant composes.
+
+**The pair.** In an epoch of t steps each example sits in exactly one step, chosen uniformly at
+random and independently of everything else. For DP-SGD's adaptive Gaussian steps (noise σ on
+sums of contributions of norm ≤ 1), Chua et al. ("Balls-and-Bins Sampling for DP-SGD",
+AISTATS 2025, §3: the dominating pair (P_B, Q_B) of ABLQ_B) and Feldman & Shenfeld ("Privacy
+amplification by random allocation", arXiv 2502.08202, §2: the reduction of random allocation
+of adaptive steps to the non-adaptive one) reduce one epoch, under add-or-remove adjacency, to
+
+    P = (1/t) Σ_j N(μ e_j, I_t)   against   Q = N(0, I_t),        μ = 1/σ,
+
+removal being (P ‖ Q) and addition (Q ‖ P). Both directions are covered, separately.
+
+**Everything is a function of one sum.** dP/dQ(x) = S(x)/t with S = Σ_j exp(μ x_j − μ²/2). Under
+Q, S is a sum of t independent log-normals Y = exp(μZ − μ²/2); under P, one of them (by symmetry,
+any) is replaced by W = exp(μZ + μ²/2). So
+
+* removal: privacy loss L = log(S/t) with S = W + Y₂ + … + Y_t  (its law under P);
+* addition: privacy loss L = log(t/S) with S = Y₁ + … + Y_t      (its law under Q).
+
+With t = 1 both are the Gaussian mechanism's own pair (the accountant then uses its Gaussian
+leaf, exactly).
+
+**A pessimistic discretisation, so ε stays an upper bound.** Each coordinate is rounded on the
+lattice hℤ: *up* for removal (ceil(Y/h)·h ≥ Y, values above the lattice's top go to +∞) and
+*down* for addition (floor(Y/h)·h ≤ Y, values above the top are floored to it). Coupled draw by
+draw, the rounded sum is ≥ S (removal) or ≤ S (addition), so every privacy loss is rounded
+*up*: the discrete PLD is the original one with mass moved to larger losses (and to +∞), which is
+again a valid PLD and dominates it, under composition too (Meiser & Mohammadi 2018; Zhu, Dong &
+Wang 2022, Thm. 10). The law of the rounded sum is the t-fold convolution of the rounded
+coordinate's law, computed with FFTs by repeated squaring; a partial sum beyond the lattice's
+top is sent to +∞ (removal) or floored to the top (addition), which keeps the same direction of
+rounding. Negative float round-off of the FFT is clipped to 0 (its size, ~1e-16 per point, is
+that of the accountant's own FFT composition). Tightness only — never soundness — depends on the
+lattice: the loss moves up by at most log(1 + t·h/S) ≈ h per epoch.
+
+Not a Monte Carlo estimate: no sampling is involved anywhere. Poisson-subsampled steps at
+q = 1/t are the natural comparison (Feldman & Shenfeld 2025: random allocation is close to it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import scipy.fft
+from scipy.special import ndtr, ndtri
+
+from dpfy.plan.accounting.pld_pairs import LikelihoodRatioPair
+
+__all__ = [
+    "DEFAULT_POINTS",
+    "SEARCH_POINTS",
+    "AllocationPairs",
+    "DiscreteLossPair",
+    "RandomAllocationLeaf",
+    "allocation_pairs",
+]
+
+#: Lattice points of the sum S for the reported ε, and for root finding (coarser, still sound).
+DEFAULT_POINTS = 1 << 20
+SEARCH_POINTS = 1 << 16
+#: Mass of the top coordinate's law above the lattice (sent to +∞ in removal, counted in δ).
+TAIL_MASS = 1e-12
+#: Standard deviations of the bulk of S that the lattice covers beyond the largest coordinate.
+_BULK_STDS = 12.0
+
+
+class DiscreteLossPair(LikelihoodRatioPair):
+    """A pair (P₁, P₀) on finitely many log likelihood ratios v_k, plus P₁-mass at +∞ and
+    P₀-mass at −∞ (whatever of each law the finite atoms leave over).
+
+    ``p1[k] = e^{v_k} · p0[k]``: the caller passes both, consistent. ``removal`` says which
+    direction the pair serves: its loss range is that of v under P₁ (removal) or under P₀
+    (addition), the measure the privacy loss is drawn from.
+    """
+
+    def __init__(
+        self, log_ratios: np.ndarray, p1: np.ndarray, p0: np.ndarray, removal: bool
+    ) -> None:
+        self.removal = removal
+        keep = (p1 > 0) | (p0 > 0)
+        self.values = np.asarray(log_ratios, dtype=float)[keep]
+        self._p1, self._p0 = np.asarray(p1, dtype=float)[keep], np.asarray(p0, dtype=float)[keep]
+        self.p1_infinity = max(0.0, 1.0 - math.fsum(self._p1))
+        self.p0_minus_infinity = max(0.0, 1.0 - math.fsum(self._p0))
+        zero = np.zeros(1)
+        # prefix[i] = Σ_{k<i}, suffix[i] = Σ_{k≥i}: each side summed from its own tail.
+        self._prefix1 = np.concatenate([zero, np.cumsum(self._p1)])
+        self._prefix0 = np.concatenate([zero, np.cumsum(self._p0)])
+        self._suffix1 = np.concatenate([np.cumsum(self._p1[::-1])[::-1], zero])
+        self._suffix0 = np.concatenate([np.cumsum(self._p0[::-1])[::-1], zero])
+
+    def upper(self, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        i = np.searchsorted(self.values, np.asarray(tau, dtype=float), side="right")
+        return self.p1_infinity + self._suffix1[i], self._suffix0[i]
+
+    def lower(self, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """P₀ from below and as 1 − its upper tail, whichever is larger: float round-off then
+        only raises δ, and beyond the support the tail 1 − P₀(L ≤ τ) is exactly 0."""
+        i = np.searchsorted(self.values, np.asarray(tau, dtype=float), side="right")
+        p0 = np.maximum(self.p0_minus_infinity + self._prefix0[i], 1.0 - self._suffix0[i])
+        return self._prefix1[i], p0
+
+    @property
+    def log_ratio_range(self) -> tuple[float, float]:
+        """The range of v on the support of the measure this direction's loss is drawn from."""
+        if self.removal:
+            support = self.values[self._p1 > 0]
+            lo = support[0] if support.size else math.inf
+            hi = math.inf if self.p1_infinity > 0 or not support.size else support[-1]
+        else:
+            support = self.values[self._p0 > 0]
+            lo = -math.inf if self.p0_minus_infinity > 0 or not support.size else support[0]
+            hi = support[-1] if support.size else -math.inf
+        return float(lo), float(hi)
+
+
+@dataclass(frozen=True, eq=False)
+class AllocationPairs:
+    """One epoch's two dominating pairs: ``removal`` is used as (P₁ ‖ P₀), ``addition`` as
+    (P₀ ‖ P₁) — the PLD accountant's two directions of an unsampled leaf."""
+
+    removal: DiscreteLossPair
+    addition: DiscreteLossPair
+
+    def directed(self, removal: bool) -> DiscreteLossPair:
+        """The pair the accountant's ``removal`` (True) or addition (False) direction uses."""
+        return self.removal if removal else self.addition
+
+
+@dataclass(frozen=True)
+class RandomAllocationLeaf:
+    """The PLD accountant's leaf factory for epochs of ``steps`` steps: called with μ = 1/σ (times
+    the relation's sensitivity factor) and the accountant's lattice size, it gives the pairs."""
+
+    steps: int
+    takes_points = True  # the accountant passes its lattice size (see pld._leaf_counts)
+
+    def __call__(self, mu: float, points: int = DEFAULT_POINTS) -> AllocationPairs:
+        return allocation_pairs(mu, self.steps, points)
+
+
+# ---------------------------------------------------------------------------------------------
+# The law of one rounded coordinate, and of the rounded sum
+# ---------------------------------------------------------------------------------------------
+def _cell_masses(mu: float, shift: float, spacing: float, points: int) -> tuple[np.ndarray, float]:
+    """P[Y ∈ ((k−1)h, kh]] for k = 1..points and P[Y > points·h], Y = exp(μZ + shift).
+
+    Differences of Φ on the side of the median where they do not cancel.
+    """
+    k = np.arange(1, points + 1, dtype=float)
+    x = (np.log(k * spacing) - shift) / mu
+    previous = np.concatenate([[-np.inf], x[:-1]])
+    low = np.where(x <= 0, ndtr(x) - ndtr(previous), ndtr(-previous) - ndtr(-x))
+    return np.clip(low, 0.0, None), float(ndtr(-x[-1]))
+
+
+def _rounded_up(mu: float, shift: float, spacing: float, points: int) -> np.ndarray:
+    """Law of ceil(Y/h) on 0..points (index = multiple of h); mass above is left out (→ +∞)."""
+    cells, _ = _cell_masses(mu, shift, spacing, points)
+    return np.concatenate([[0.0], cells])
+
+
+def _rounded_down(mu: float, shift: float, spacing: float, points: int) -> np.ndarray:
+    """Law of min(floor(Y/h), points) on 0..points: every value rounded down, none lost."""
+    cells, above = _cell_masses(mu, shift, spacing, points)
+    return np.concatenate([cells, [above]])
+
+
+def _convolve(a: np.ndarray, b: np.ndarray, floor_top: bool) -> np.ndarray:
+    """The law of the sum, cut to the same lattice: above the top it is dropped (→ +∞) or, with
+    ``floor_top``, floored to the top (both keep the direction of rounding)."""
+    size = a.size
+    full = scipy.fft.next_fast_len(2 * size - 1, real=True)
+    out = scipy.fft.irfft(scipy.fft.rfft(a, full) * scipy.fft.rfft(b, full), full)[: 2 * size - 1]
+    out = np.clip(out, 0.0, None)
+    kept = out[:size].copy()
+    if floor_top:
+        kept[-1] += out[size:].sum()
+    return kept
+
+
+def _sum_of(law: np.ndarray, count: int, floor_top: bool) -> np.ndarray:
+    """The law of ``count`` independent copies' sum (repeated squaring; count ≥ 0)."""
+    result: np.ndarray | None = None
+    base = law
+    while count:
+        if count & 1:
+            result = base if result is None else _convolve(result, base, floor_top)
+        count >>= 1
+        if count:
+            base = _convolve(base, base, floor_top)
+    if result is None:
+        result = np.zeros_like(law)
+        result[0] = 1.0
+    return result
+
+
+def _bulk(mu: float, steps: int) -> float:
+    """Mean plus _BULK_STDS standard deviations of a sum of t log-normals (mean 1 each)."""
+    return steps + _BULK_STDS * math.sqrt(steps * math.expm1(min(mu * mu, 700.0)))
+
+
+def lattice_spacing(mu: float, steps: int, points: int) -> float:
+    """Removal's h: the lattice covers the tilted coordinate W up to its (1 − TAIL_MASS)
+    quantile plus the bulk of the sum (mean 1, variance e^{μ²} − 1 per coordinate); above it
+    the mass goes to +∞ and is counted in δ."""
+    top_coordinate = math.exp(mu * float(ndtri(1.0 - TAIL_MASS)) + mu * mu / 2)
+    return (top_coordinate + _bulk(mu, steps)) / points
+
+
+def addition_spacing(mu: float, steps: int, points: int) -> float:
+    """Addition's h: the bulk of the sum is enough, since flooring what lies above the top
+    keeps every value rounded down (its privacy loss log(t/S) only rises) and loses no mass."""
+    return (_bulk(mu, steps) + 1.0) / points
+
+
+@lru_cache(maxsize=64)
+def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> AllocationPairs:
+    """The two dominating discrete pairs of one epoch of ``steps`` steps at μ = 1/σ."""
+    if steps < 2:
+        raise ValueError("an epoch of one step is the Gaussian mechanism itself; use its pair")
+    h = lattice_spacing(mu, steps, points)
+    half = mu * mu / 2
+    # Removal: S = W + Y₂ + … + Y_t, every coordinate rounded up, the law under P.
+    others = _sum_of(_rounded_up(mu, -half, h, points), steps - 1, floor_top=False)
+    removal = _convolve(others, _rounded_up(mu, half, h, points), floor_top=False)
+    # Addition: S = Y₁ + … + Y_t, every coordinate rounded down, the law under Q.
+    sums = np.arange(1, points + 1) * h  # S = k·h for k ≥ 1
+    # Addition: S = Y₁ + … + Y_t, every coordinate rounded down on its own lattice, law under Q.
+    add_points = max(points // 4, 1024)
+    h_add = addition_spacing(mu, steps, add_points)
+    addition = _sum_of(_rounded_down(mu, -half, h_add, add_points), steps, floor_top=True)
+    # Addition's S_lo = 0 is the event max_j Y_j < h, on which S ≥ max_j Y_j: that maximum,
+    # rounded down on a geometric grid, replaces it (its law is P[max ≤ y] = F(y)^t).
+    bottom, bottom_mass = _maximum_below(mu, steps, h_add)
+    add_sums = np.concatenate([bottom, np.arange(1, add_points + 1) * h_add])
+    add_q = np.concatenate([bottom_mass, addition[1:]])
+    return AllocationPairs(
+        removal=DiscreteLossPair(
+            np.log(sums / steps), removal[1:], removal[1:] * steps / sums, removal=True
+        ),
+        addition=DiscreteLossPair(
+            np.log(add_sums / steps), add_q * add_sums / steps, add_q, removal=False
+        ),
+    )
+
+
+#: Geometric step of the grid on which addition's smallest sums are rounded down (in log).
+_BOTTOM_STEP = 0.01
+#: Below the grid's bottom, the maximum's mass (F(y)^t) is sent to loss +∞; at most this much.
+_BOTTOM_MASS = 1e-30
+
+
+def _maximum_below(mu: float, steps: int, spacing: float) -> tuple[np.ndarray, np.ndarray]:
+    """Values y_{i+1} < y_i = h·e^{−i·step} and P[max_j Y_j ∈ [y_{i+1}, y_i)] (the maximum
+    rounded down), down to where F(y)^t ≤ _BOTTOM_MASS (that rest is left out: loss +∞)."""
+    shift = -mu * mu / 2
+    log_top = math.log(spacing)
+    # log F(y)^t = t·log Φ((log y − shift)/μ) ≤ log(_BOTTOM_MASS) below this y:
+    z = float(ndtri(math.exp(math.log(_BOTTOM_MASS) / steps)))
+    log_bottom = min(mu * z + shift, log_top - _BOTTOM_STEP)
+    count = math.ceil((log_top - log_bottom) / _BOTTOM_STEP)
+    logs = log_top - _BOTTOM_STEP * np.arange(count + 1)
+    cdf_power = np.exp(steps * np.log(np.clip(ndtr((logs - shift) / mu), 1e-300, None)))
+    masses = np.clip(cdf_power[:-1] - cdf_power[1:], 0.0, None)
+    return np.exp(logs[1:])[::-1], masses[::-1]

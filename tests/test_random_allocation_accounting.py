@@ -1,0 +1,173 @@
+"""Balls-in-bins epochs accounted as random allocation (1 of t steps; Feldman & Shenfeld 2025):
+exact at t = 1, never below an independent Monte Carlo estimate of the dominating pair, never
+above the unamplified Gaussian, close to Poisson, charged once per epoch, saved and calibrated."""
+
+from __future__ import annotations
+
+import json
+
+import dp_accounting as dpa
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import dpfy
+from dpfy.plan.accounting import (
+    GaussianEvent,
+    PldAccountant,
+    SelfComposedEvent,
+    UnsupportedEventError,
+    make_accountant,
+)
+from dpfy.plan.accounting.event_codec import decode_event, encode_event
+from dpfy.plan.accounting.events import BallsInBinsEpochEvent, NoOpEvent
+from dpfy.plan.sampling import SamplingKind, SamplingRecord
+from dpfy.plan.variants import PlanRequest, make_plan
+from dpfy.train.ledger import PrivacyLedger
+
+
+def _epsilon(event, delta: float) -> float:
+    return make_accountant("pld").compose(event).epsilon(delta)
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) one step per epoch is the Gaussian mechanism, exactly
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("sigma", "epochs"), [(0.8, 1), (1.5, 4)])
+def test_one_step_per_epoch_is_the_gaussian_mechanism_by_dp_accounting(sigma, epochs):
+    reference = dpa.pld.PLDAccountant()
+    reference.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(sigma), epochs))
+    ours = _epsilon(SelfComposedEvent(BallsInBinsEpochEvent(sigma, 1), epochs), 1e-5)
+    assert ours == pytest.approx(reference.get_epsilon(1e-5), rel=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) never below an independent Monte Carlo estimate of the dominating pair, both directions
+# ---------------------------------------------------------------------------------------------
+def _monte_carlo_lower(sigma: float, t: int, epsilon: float, removal: bool) -> float:
+    """A lower confidence bound (mean − 5 standard errors) on δ(ε) of P = (1/t)Σⱼ N(eⱼ, σ²I)
+    against Q = N(0, σ²I): removal E_P[(1 − e^{ε−L})₊], addition E_Q[(1 − e^{ε+L})₊], with
+    L = log(dP/dQ) = log((1/t) Σⱼ exp((2xⱼ − 1)/(2σ²)))."""
+    rng = np.random.default_rng(20260 + t)
+    n = 400_000
+    x = rng.normal(0.0, sigma, size=(n, t))
+    if removal:
+        x[np.arange(n), rng.integers(0, t, size=n)] += 1.0
+    log_ratio = np.logaddexp.reduce((2 * x - 1) / (2 * sigma**2), axis=1) - np.log(t)
+    loss = log_ratio if removal else -log_ratio
+    samples = np.clip(-np.expm1(epsilon - loss), 0.0, None)
+    return float(samples.mean() - 5 * samples.std() / np.sqrt(n))
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+@pytest.mark.parametrize("sigma", [0.8, 1.5])
+def test_bound_is_never_below_a_monte_carlo_estimate_in_either_direction(t, sigma):
+    accountant = PldAccountant().compose(BallsInBinsEpochEvent(sigma, t))
+    removal, addition = accountant.composed()
+    for epsilon in (0.25, 0.75):
+        for pld, way in ((removal, True), (addition, False)):
+            estimate = _monte_carlo_lower(sigma, t, epsilon, way)
+            assert pld.delta(epsilon) >= estimate, (t, sigma, epsilon, way)
+            # and tight: within a few percent of the estimate (where δ is resolved)
+            if estimate > 1e-3:
+                assert pld.delta(epsilon) <= 1.15 * estimate + 1e-3, (t, sigma, epsilon, way)
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) between Poisson and no amplification
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("sigma", "t", "epochs"), [(1.0, 50, 5), (1.5, 20, 3)])
+def test_bound_is_below_the_gaussian_and_close_to_poisson(sigma, t, epochs):
+    ours = _epsilon(SelfComposedEvent(BallsInBinsEpochEvent(sigma, t), epochs), 1e-5)
+    gaussian = _epsilon(SelfComposedEvent(GaussianEvent(sigma), epochs), 1e-5)
+    poisson = dpa.pld.PLDAccountant()
+    poisson.compose(
+        dpa.SelfComposedDpEvent(
+            dpa.PoissonSampledDpEvent(1 / t, dpa.GaussianDpEvent(sigma)), t * epochs
+        )
+    )
+    reference = poisson.get_epsilon(1e-5)
+    assert ours < gaussian / 2
+    assert 0.7 * reference < ours < 1.25 * reference
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) the ledger charges one epoch event per epoch, and it survives save and load
+# ---------------------------------------------------------------------------------------------
+def test_a_step_charges_the_epoch_at_its_first_step_only():
+    record = SamplingRecord(SamplingKind.BALLS_IN_BINS, 10 / 100, 100, 10)
+    assert record.at_epoch_position(0).event(1.3) == BallsInBinsEpochEvent(1.3, 10)
+    assert record.at_epoch_position(9).event(1.3) == NoOpEvent()
+    # a run of 25 steps begins 3 epochs: each charged in full, the partial one too
+    assert record.run_event(1.3, 25) == SelfComposedEvent(BallsInBinsEpochEvent(1.3, 10), 3)
+
+
+def test_epoch_event_round_trips_through_the_codec_and_refuses_bad_fields():
+    event = SelfComposedEvent(BallsInBinsEpochEvent(0.9, 234), 7)
+    assert decode_event(json.loads(json.dumps(encode_event(event)))) == event
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        decode_event({"type": "BallsInBinsEpochEvent", "noise_multiplier": 1.0,
+                      "steps_per_epoch": 0})  # fmt: skip
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        BallsInBinsEpochEvent(-1.0, 4)
+
+
+def test_trained_ledger_charges_each_begun_epoch_once_and_reloads_the_same_epsilon():
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(120, 4), torch.randint(0, 3, (120,)))
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    private = dpfy.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=20, delta=1e-5,
+        max_grad_norm=1.0, steps=14, noise_multiplier=1.2, sampler="balls-in-bins", seed=3,
+    )  # fmt: skip
+    for _ in range(private.loader.epochs):
+        for x, y in private.loader:
+            nn.functional.cross_entropy(private.model(x), y).backward()
+            private.optimizer.step()
+            private.optimizer.zero_grad()
+    ledger = private.ledger
+    pairs = [
+        (e.event, e.count) if isinstance(e, SelfComposedEvent) else (e, 1)
+        for e in ledger.events().events
+    ]
+    assert all(isinstance(e, (NoOpEvent, BallsInBinsEpochEvent)) for e, _ in pairs)
+    epochs = sum(n for e, n in pairs if isinstance(e, BallsInBinsEpochEvent))
+    assert epochs == 3  # k = 6 steps per epoch: 14 steps begin 3 epochs
+    expected = _epsilon(SelfComposedEvent(BallsInBinsEpochEvent(1.2, 6), 3), 1e-5)
+    assert ledger.epsilon() == pytest.approx(expected, rel=1e-6)
+    gaussian = _epsilon(SelfComposedEvent(GaussianEvent(1.2), 3), 1e-5)
+    assert ledger.epsilon() < gaussian
+    restored = PrivacyLedger.from_state_dict(json.loads(json.dumps(ledger.state_dict())))
+    assert restored.epsilon() == pytest.approx(ledger.epsilon(), rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) calibration, and what each accountant says
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # ~12 s: each full-precision look builds a new epoch's lattice (2^20 points)
+def test_plan_calibrates_sigma_on_the_random_allocation_bound():
+    plan = make_plan(
+        PlanRequest(
+            records=2_000,
+            batch_size=100,
+            delta=1e-5,
+            max_grad_norm=1.0,
+            epochs=3,
+            target_epsilon=2.0,
+            sampler="balls-in-bins",
+        )
+    )
+    event = SelfComposedEvent(BallsInBinsEpochEvent(plan.noise_multiplier, 20), 3)
+    eps = _epsilon(event, 1e-5)
+    assert eps <= 2.0 and eps == pytest.approx(2.0, rel=1e-2)
+    unamplified = _epsilon(SelfComposedEvent(GaussianEvent(plan.noise_multiplier), 3), 1e-5)
+    assert unamplified > 2 * eps  # the amplification was used to lower σ
+
+
+def test_rdp_and_replace_one_refuse_with_the_fix():
+    with pytest.raises(UnsupportedEventError, match="accountant='pld'"):
+        make_accountant("rdp").compose(BallsInBinsEpochEvent(1.0, 8))
+    with pytest.raises(UnsupportedEventError, match="add-or-remove"):
+        make_accountant("pld", "replace-one").compose(BallsInBinsEpochEvent(1.0, 8))
