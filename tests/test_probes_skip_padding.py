@@ -134,11 +134,6 @@ def test_the_card_tallies_only_probes_of_examples():
         assert "fewer than two examples" in summary[check]["detail"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DPDataLoader does not pass LastDrawn(batch_sampler) to ProbingCollate yet "
-    "(/work/handoff/32-collate-padding.md): its collate probe still counts padded rows",
-)
 def test_the_loader_wires_the_collate_probe_to_the_padding():
     loader = dpfy.data.loader.DPDataLoader(
         _data(), 3, steps=2, sampler="truncated-poisson", max_batch_size=M,

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from dpfy._validate import check_count
 from dpfy.data.batches import batch_length, holds_batches
 from dpfy.data.check_schedule import CheckSchedule
-from dpfy.data.collate_probe import Collated, ProbingCollate
+from dpfy.data.collate_probe import Collated, LastDrawn, ProbingCollate
 from dpfy.data.microbatches import MicrobatchSlots
 from dpfy.data.padding import Padding
 from dpfy.data.provenance import Provenance
@@ -89,7 +89,9 @@ class DPDataLoader(DataLoader):
             dataset,
             batch_sampler=batch_sampler,
             collate_fn=ProbingCollate(
-                EmptyBatchCollate(collate, empty_batch_like(collate, dataset)), self.check_schedule
+                EmptyBatchCollate(collate, empty_batch_like(collate, dataset)),
+                self.check_schedule,
+                LastDrawn(batch_sampler),  # a padded batch: its padding rows are never probed
             ),
             generator=worker_generator,  # seeds worker processes only; never the sampling
             **dataloader_kwargs,
