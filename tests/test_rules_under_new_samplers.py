@@ -348,22 +348,7 @@ def test_the_refusals_name_batch_refused():
         private.optimizer.step()
 
 
-@pytest.mark.parametrize(
-    "sampler",
-    [
-        "truncated-poisson",
-        pytest.param(
-            "balls-in-bins",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="finding (/work/handoff/32-rule-findings.md §2): balls-in-bins charges "
-                "its epoch at the epoch's first step and nothing at the others, so steps "
-                "released, rewound (load of an earlier checkpoint in the same epoch) and "
-                "released again with fresh noise at the same parameters are charged nothing",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("sampler", ["truncated-poisson", "balls-in-bins"])
 def test_going_back_to_an_earlier_checkpoint_charges_the_steps_released_again(sampler, tmp_path):
     """Steps released, then rewound and taken again on the same batches, are released twice:
     the ε after the second release must exceed what the first had spent (under Poisson each
@@ -379,3 +364,17 @@ def test_going_back_to_an_earlier_checkpoint_charges_the_steps_released_again(sa
     for a, b in zip(first, again, strict=True):  # ... and the same batches are released again
         assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
     assert private.epsilon() > spent * (1 + 1e-6)
+
+
+def test_going_back_to_an_epoch_boundary_of_balls_in_bins_charges_the_epoch_once(tmp_path):
+    """A checkpoint at an epoch's start: the next step opens the epoch and charges it, so the
+    load adds nothing of its own (no double charge of a fresh epoch)."""
+    private = private_run("balls-in-bins")
+    k = private.plan.sampling_record().batches_per_epoch
+    trained(private, k)
+    path = private.save(tmp_path / "boundary.pt")
+    trained(private, 2)
+    before_load = private.ledger.state_dict()
+    private.load(path)
+    labels = {entry["label"] for entry in private.ledger.state_dict()["entries"]}
+    assert not any("inside their epoch" in label for label in labels), before_load

@@ -22,7 +22,9 @@ from torch import nn
 
 from dpfy._safe_io import check_regular_file
 from dpfy.data.loader import DPDataLoader
+from dpfy.plan.accounting.events import GaussianEvent
 from dpfy.plan.privacy_plan import PrivacyPlan
+from dpfy.plan.sampling import SamplingKind
 from dpfy.train import report_seam
 from dpfy.train.checkpoints import save_atomically, seal, unseal
 from dpfy.train.compiled_step import CompiledStep
@@ -42,6 +44,8 @@ REWOUND = "rewound steps"
 #: The label of the steps a session took before it loaded another run's checkpoint: released on
 #: the same data, so they stay in its ledger.
 SPENT_BEFORE_LOAD = "steps before loading another run's checkpoint"
+#: The label of a balls-in-bins epoch's batches released again after going back inside it.
+REPLAYED_EPOCH = "balls-in-bins batches released again after going back inside their epoch"
 
 
 class PrivateTraining:
@@ -271,6 +275,24 @@ class PrivateTraining:
             self.ledger.record_event(
                 event, label=carried if label in (TRAINING, REWOUND) else label, count=count
             )
+        if rewound and ledger.run_id == self.run_id and self._inside_an_epoch(ledger.steps):
+            self.ledger.record_event(
+                GaussianEvent(self.plan.noise_multiplier), label=REPLAYED_EPOCH
+            )
+
+    def _inside_an_epoch(self, steps: int) -> bool:
+        """Whether a balls-in-bins run resumed after ``steps`` steps is part-way into an epoch.
+
+        Its epoch was charged once, at its first step, for all k of its batches; going back to
+        a point inside it and training on releases its remaining batches (the same assignment of
+        examples to batches) a second time, which that charge does not cover. Each example is in
+        at most one of them, so the second release costs at most one Gaussian of σ, charged at
+        the load (:data:`REPLAYED_EPOCH`).
+        """
+        record = self.plan.sampling_record()
+        if record.kind is not SamplingKind.BALLS_IN_BINS:
+            return False
+        return steps % record.batches_per_epoch != 0
 
     def _load_model_and_optimizer(self, model: Any, optimizer: Any) -> None:
         """The model's state, then the wrapped optimizer's (sharded models: into each shard)."""
