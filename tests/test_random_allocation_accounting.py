@@ -173,6 +173,21 @@ def test_rdp_and_replace_one_refuse_with_the_fix():
         make_accountant("pld", "replace-one").compose(BallsInBinsEpochEvent(1.0, 8))
 
 
+def test_a_balls_in_bins_plan_under_rdp_is_refused_before_training():
+    request = PlanRequest(
+        records=2_000,
+        batch_size=100,
+        delta=1e-5,
+        max_grad_norm=1.0,
+        epochs=3,
+        noise_multiplier=1.0,
+        sampler="balls-in-bins",
+        accountant="rdp",
+    )
+    with pytest.raises(ValueError, match=r"balls-in-bins.*accountant='pld'"):
+        make_plan(request)
+
+
 # ---------------------------------------------------------------------------------------------
 # Known gap, pinned: a rewound run reuses an epoch's assignment (fix: train/session.py)
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 
 from dpfy._validate import check_count
+from dpfy.plan.accounting.accountant import make_accountant
 from dpfy.plan.accounting.events import NeighbouringRelation, SelfComposedEvent
 from dpfy.plan.accounting.truncation import max_batch_size_for, truncation_probability
 from dpfy.plan.privacy_plan import PrivacyPlan
@@ -56,6 +57,10 @@ def resolve_dp_sgd(request: PlanRequest) -> PrivacyPlan:
         relation, accountant = NeighbouringRelation.REPLACE_ONE, "rdp"
     record = DP_SGD_SAMPLINGS[kind](request, kind)
     steps = total_steps(request, request.records / request.batch_size)
+    # Refused here, not at the first step: e.g. the RDP accountant has no balls-in-bins bound.
+    reason = make_accountant(accountant, relation).unsupported_reason(record.run_event(1.0, steps))
+    if reason is not None:
+        raise ValueError(f"sampler={kind.value!r} with accountant={accountant!r}: {reason}")
     sigma = calibrated(request, lambda s: record.run_event(s, steps), relation, accountant)
     return plan_from(request, record, steps, sigma, relation, accountant)
 
