@@ -221,7 +221,7 @@ def addition_spacing(mu: float, steps: int, points: int) -> float:
     return (_bulk(mu, steps) + 1.0) / points
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)
 def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> AllocationPairs:
     """The two dominating discrete pairs of one epoch of ``steps`` steps at μ = 1/σ."""
     if steps < 2:
@@ -232,7 +232,6 @@ def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> All
     # Removal: S = W + Y₂ + … + Y_t, every coordinate rounded up, the law under P.
     others = _sum_of(_rounded_up(mu, -half, h, top), steps - 1, floor_top=False)
     removal = _convolve(others, _rounded_up(mu, half, h, top), floor_top=False)
-    # Addition: S = Y₁ + … + Y_t, every coordinate rounded down, the law under Q.
     sums = np.arange(1, top + 1) * h  # S = k·h for k ≥ 1
     # Addition: S = Y₁ + … + Y_t, every coordinate rounded down on its own lattice, law under Q.
     add_top = max(points // 4, 1024) - 1
@@ -243,14 +242,33 @@ def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> All
     bottom, bottom_mass = _maximum_below(mu, steps, h_add)
     add_sums = np.concatenate([bottom, np.arange(1, add_top + 1) * h_add])
     add_q = np.concatenate([bottom_mass, addition[1:]])
+    # Log likelihood ratios log(S/t), rounded onto a grid of LOSS_STEP in the direction that
+    # raises each direction's loss (up for removal, down for addition: its loss is −v).
+    up = np.ceil(np.log(sums / steps) / LOSS_STEP)
+    down = np.floor(np.log(add_sums / steps) / LOSS_STEP)
+    removal_v, removal_p1 = _merged(up, removal[1:])
+    addition_v, addition_p0 = _merged(down, add_q)
     return AllocationPairs(
         removal=DiscreteLossPair(
-            np.log(sums / steps), removal[1:], removal[1:] * steps / sums, removal=True
+            removal_v, removal_p1, removal_p1 * np.exp(-removal_v), removal=True
         ),
         addition=DiscreteLossPair(
-            np.log(add_sums / steps), add_q * add_sums / steps, add_q, removal=False
+            addition_v, addition_p0 * np.exp(addition_v), addition_p0, removal=False
         ),
     )
+
+
+#: Grid of the stored log likelihood ratios: rounding a privacy loss up by at most this much
+#: keeps the pair dominating and its arrays ~10x shorter than the lattice.
+LOSS_STEP = 1e-4
+
+
+def _merged(indices: np.ndarray, masses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The masses summed per grid index: (the grid values, their masses), ascending."""
+    offset = int(indices.min())
+    summed = np.bincount((indices - offset).astype(np.int64), weights=masses)
+    keep = np.flatnonzero(summed > 0)
+    return (keep + offset) * LOSS_STEP, summed[keep]
 
 
 #: Geometric step of the grid on which addition's smallest sums are rounded down (in log).
