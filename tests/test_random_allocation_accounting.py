@@ -23,6 +23,8 @@ from dpfy.plan.accounting import (
 )
 from dpfy.plan.accounting.event_codec import decode_event, encode_event
 from dpfy.plan.accounting.events import BallsInBinsEpochEvent, NoOpEvent
+from dpfy.plan.accounting.pld_pairs import Direction
+from dpfy.plan.accounting.random_allocation import DiscreteLossPair
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
 from dpfy.plan.variants import PlanRequest, make_plan
 from dpfy.train.ledger import PrivacyLedger
@@ -73,6 +75,25 @@ def test_bound_is_never_below_a_monte_carlo_estimate_in_either_direction(t, sigm
             # and tight: within a few percent of the estimate (where δ is resolved)
             if estimate > 1e-3:
                 assert pld.delta(epsilon) <= 1.15 * estimate + 1e-3, (t, sigma, epsilon, way)
+
+
+def test_discrete_pair_curves_are_the_hockey_stick_divergences_of_its_atoms():
+    """Each direction's curve of a small pair equals Σ(p − e^ε p')₊ plus its infinite atom."""
+    rng = np.random.default_rng(7)
+    values = np.sort(rng.normal(0.0, 1.0, 12))
+    p0 = rng.dirichlet(np.ones(12)) * 0.9  # 0.1 of P₀ at −∞
+    p1 = p0 * np.exp(values)
+    p1 *= 0.95 / p1.sum()  # 0.05 of P₁ at +∞ ...
+    p0 = p1 * np.exp(-values)  # ... and P₀ consistent with it (the rest at −∞)
+    pair = DiscreteLossPair(values, p1, p0, removal=True)
+    for epsilon in (0.0, 0.3, 1.1):
+        removal = Direction(pair, 1.0, True).hockey_stick(np.array([epsilon]))[0]
+        expected = 0.05 + np.clip(p1 - np.exp(epsilon) * p0, 0, None).sum()
+        assert removal == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        addition = Direction(pair, 1.0, False).hockey_stick(np.array([epsilon]))[0]
+        rest = 1.0 - p0.sum()
+        expected = rest + np.clip(p0 - np.exp(epsilon) * p1, 0, None).sum()
+        assert addition == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ How it works, and why each choice keeps ε an upper bound:
    Under add-or-remove adjacency the subsampled pair is ``((1−q)P₀ + qP₁, P₀)`` for removal and
    ``(P₀, (1−q)P₀ + qP₁)`` for addition (Zhu, Dong & Wang 2022, "Optimal accounting of
    differential privacy via characteristic function"); the two directions are composed separately
-   and the worse one is reported.
+   and the worse one is reported. A balls-in-bins epoch (random allocation) is a leaf with one
+   dominating discrete pair per direction (``random_allocation``), composed the same way.
 2. **Exact privacy curves.** For each direction the hockey-stick divergence δ(ε) has a closed form
    in the base pair's tail probabilities (``pld_pairs._remove_curve`` / ``_add_curve``).
 3. **Pessimistic discretisation by "connecting the dots"** (Doroshenko, Ghazi, Kamath, Kumar &
@@ -149,7 +150,8 @@ def _leaves(
         if relation is NeighbouringRelation.REPLACE_ONE:
             raise _Unsupported(_REPLACE_ONE_BALLS_IN_BINS)
         t = event.steps_per_epoch
-        key = (GaussianPair if t == 1 else RandomAllocationLeaf(t), 1 / event.noise_multiplier, 1.0)
+        mu = relation.sensitivity_factor / event.noise_multiplier
+        key = (GaussianPair if t == 1 else RandomAllocationLeaf(t), mu, 1.0)
         out[key] = out.get(key, 0) + times
     elif kind in _PAIRS:
         pair, parameter = _PAIRS[kind]

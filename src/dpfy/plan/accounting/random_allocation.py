@@ -36,8 +36,26 @@ rounding. Negative float round-off of the FFT is clipped to 0 (its size, ~1e-16 
 that of the accountant's own FFT composition). Tightness only — never soundness — depends on the
 lattice: the loss moves up by at most log(1 + t·h/S) ≈ h per epoch.
 
+Two more roundings, both of the loss upwards: addition's rounded sum 0 (every coordinate
+below h) is replaced by max_j Y_j ≤ S, rounded down on a geometric grid (P[max ≤ y] = F(y)^t);
+and the stored log likelihood ratios sit on a grid of LOSS_STEP, rounded up (removal) or down
+(addition, whose loss is their negative).
+
+**What each part rests on.** (1) The dominating pair, removal (P ‖ Q) and addition (Q ‖ P):
+Chua et al. 2025 (their dominating pair for ABLQ_B), the pair Feldman & Shenfeld 2025 compute
+their Gaussian bounds for. (2) The reduction to the law of S: elementary (δ(ε) of a pair
+depends only on the law of its likelihood ratio), derived above. (3) Rounding every loss up
+gives a dominating PLD (the pessimistic discretisation of Meiser & Mohammadi 2018; Doroshenko,
+Ghazi, Kamath, Kumar & Manurangsi 2022), and domination survives composition (Zhu, Dong & Wang
+2022, Thm. 10) — with the other epochs and with any other leaf of the run, direction by
+direction. (4) The accountant then discretises these pairs by connect-the-dots and composes
+them like every leaf (:mod:`dpfy.plan.accounting.pld`). k = N // B is fixed by the plan (a
+public number of steps), the same on neighbouring datasets.
+
 Not a Monte Carlo estimate: no sampling is involved anywhere. Poisson-subsampled steps at
-q = 1/t are the natural comparison (Feldman & Shenfeld 2025: random allocation is close to it).
+q = 1/t are the natural comparison (Feldman & Shenfeld 2025: random allocation is close to it;
+Feldman & Shenfeld, "Efficient privacy loss accounting for subsampling and random allocation",
+arXiv 2602.17284, find it at least as good for the Gaussian mechanism — as the tests see too).
 """
 
 from __future__ import annotations
