@@ -21,6 +21,7 @@ from dpfy.plan.accounting import (
     UnsupportedEventError,
     make_accountant,
 )
+from dpfy.plan.accounting.epoch_lower_bound import epoch_epsilon_lower_bound
 from dpfy.plan.accounting.event_codec import decode_event, encode_event
 from dpfy.plan.accounting.events import BallsInBinsEpochEvent, NoOpEvent
 from dpfy.plan.accounting.pld_pairs import Direction
@@ -112,6 +113,15 @@ def test_bound_is_below_the_gaussian_and_close_to_poisson(sigma, t, epochs):
     reference = poisson.get_epsilon(1e-5)
     assert ours < gaussian / 2
     assert 0.7 * reference < ours < 1.25 * reference
+
+
+@pytest.mark.parametrize(("sigma", "k", "epochs"), [(1.0, 50, 3), (0.8, 120, 2)])
+def test_bound_is_never_below_the_proven_lower_bound_of_once_per_epoch_batches(sigma, k, epochs):
+    """An independent computation (the card's lower bound: the largest noisy sum of each epoch)
+    that no valid ε can go below, at sizes a Monte Carlo check cannot reach."""
+    ours = _epsilon(SelfComposedEvent(BallsInBinsEpochEvent(sigma, k), epochs), 1e-5)
+    lower = epoch_epsilon_lower_bound(sigma, k, epochs, 1e-5)
+    assert lower <= ours < 1.5 * lower
 
 
 # ---------------------------------------------------------------------------------------------
