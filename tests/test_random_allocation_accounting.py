@@ -78,6 +78,27 @@ def test_bound_is_never_below_a_monte_carlo_estimate_in_either_direction(t, sigm
                 assert pld.delta(epsilon) <= 1.15 * estimate + 1e-3, (t, sigma, epsilon, way)
 
 
+@pytest.mark.parametrize("removal", [True, False])
+def test_composed_epochs_are_never_below_a_monte_carlo_estimate(removal):
+    """Three epochs of t = 4 at σ = 1: the composed δ(ε) against the loss of three independent
+    epochs summed (Monte Carlo, lower confidence bound)."""
+    sigma, t, epochs, n = 1.0, 4, 3, 300_000
+    rng = np.random.default_rng(11)
+    loss = np.zeros(n)
+    for _ in range(epochs):
+        x = rng.normal(0.0, sigma, size=(n, t))
+        if removal:
+            x[np.arange(n), rng.integers(0, t, size=n)] += 1.0
+        ratio = np.logaddexp.reduce((2 * x - 1) / (2 * sigma**2), axis=1) - np.log(t)
+        loss += ratio if removal else -ratio
+    pld = PldAccountant().compose(BallsInBinsEpochEvent(sigma, t), epochs).composed()
+    for epsilon in (0.5, 1.5):
+        samples = np.clip(-np.expm1(epsilon - loss), 0.0, None)
+        estimate = samples.mean() - 5 * samples.std() / np.sqrt(n)
+        assert pld[0 if removal else 1].delta(epsilon) >= estimate
+        assert pld[0 if removal else 1].delta(epsilon) <= 1.15 * estimate + 1e-3
+
+
 def test_discrete_pair_curves_are_the_hockey_stick_divergences_of_its_atoms():
     """Each direction's curve of a small pair equals Σ(p − e^ε p')₊ plus its infinite atom."""
     rng = np.random.default_rng(7)
