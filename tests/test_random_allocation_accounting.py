@@ -17,6 +17,7 @@ import dpfy
 from dpfy.plan.accounting import (
     GaussianEvent,
     PldAccountant,
+    PldPrecision,
     SelfComposedEvent,
     UnsupportedEventError,
     make_accountant,
@@ -78,6 +79,27 @@ def test_bound_is_never_below_a_monte_carlo_estimate_in_either_direction(t, sigm
                 assert pld.delta(epsilon) <= 1.15 * estimate + 1e-3, (t, sigma, epsilon, way)
 
 
+def test_windowed_lattice_of_a_long_epoch_is_never_below_a_monte_carlo_estimate():
+    """t = 256 at σ = 3: the sums of more than 144·e^{1/σ²} ≈ 161 coordinates are kept on a
+    window that starts above 0 (mass below it rounded up in removal, to loss +∞ in addition).
+    A coarser lattice (2^18 points) is still a valid bound: checked as such."""
+    sigma, t, n = 3.0, 256, 40_000
+    coarse = PldAccountant(precision=PldPrecision(max_points=2**18))
+    removal, addition = coarse.compose(BallsInBinsEpochEvent(sigma, t)).composed()
+    rng = np.random.default_rng(5)
+    for pld, way in ((removal, True), (addition, False)):
+        x = rng.normal(0.0, sigma, size=(n, t))
+        if way:
+            x[np.arange(n), rng.integers(0, t, size=n)] += 1.0
+        ratio = np.logaddexp.reduce((2 * x - 1) / (2 * sigma**2), axis=1) - np.log(t)
+        loss = ratio if way else -ratio
+        for epsilon in (0.0, 0.005):
+            samples = np.clip(-np.expm1(epsilon - loss), 0.0, None)
+            estimate = samples.mean() - 5 * samples.std() / np.sqrt(n)
+            assert estimate > 0.004  # resolved
+            assert estimate <= pld.delta(epsilon) <= 1.2 * samples.mean(), (way, epsilon)
+
+
 @pytest.mark.parametrize("removal", [True, False])
 def test_composed_epochs_are_never_below_a_monte_carlo_estimate(removal):
     """Three epochs of t = 4 at σ = 1: the composed δ(ε) against the loss of three independent
@@ -134,6 +156,22 @@ def test_bound_is_below_the_gaussian_and_close_to_poisson(sigma, t, epochs):
     reference = poisson.get_epsilon(1e-5)
     assert ours < gaussian / 2
     assert 0.7 * reference < ours < 1.25 * reference
+
+
+@pytest.mark.parametrize(("sigma", "k", "epochs"), [(1.0, 2000, 2), (2.0, 1000, 4)])
+def test_long_epochs_stay_close_to_poisson(sigma, k, epochs):
+    """Thousands of steps per epoch (windowed lattice, 2^18 points): within 10 % of Poisson
+    sampling at q = 1/k (dp_accounting) and above the card's lower bound."""
+    coarse = PldAccountant(precision=PldPrecision(max_points=2**18))
+    ours = coarse.compose(BallsInBinsEpochEvent(sigma, k), epochs).epsilon(1e-5)
+    poisson = dpa.pld.PLDAccountant()
+    poisson.compose(
+        dpa.SelfComposedDpEvent(
+            dpa.PoissonSampledDpEvent(1 / k, dpa.GaussianDpEvent(sigma)), k * epochs
+        )
+    )
+    assert 0.9 < ours / poisson.get_epsilon(1e-5) < 1.1
+    assert ours >= epoch_epsilon_lower_bound(sigma, k, epochs, 1e-5)
 
 
 @pytest.mark.parametrize(("sigma", "k", "epochs"), [(1.0, 50, 3), (0.8, 120, 2)])

@@ -30,11 +30,13 @@ draw, the rounded sum is ≥ S (removal) or ≤ S (addition), so every privacy l
 *up*: the discrete PLD is the original one with mass moved to larger losses (and to +∞), which is
 again a valid PLD and dominates it, under composition too (Meiser & Mohammadi 2018; Zhu, Dong &
 Wang 2022, Thm. 10). The law of the rounded sum is the t-fold convolution of the rounded
-coordinate's law, computed with FFTs by repeated squaring; a partial sum beyond the lattice's
-top is sent to +∞ (removal) or floored to the top (addition), which keeps the same direction of
-rounding. Negative float round-off of the FFT is clipped to 0 (its size, ~1e-16 per point, is
-that of the accountant's own FFT composition). Tightness only — never soundness — depends on the
-lattice: the loss moves up by at most log(1 + t·h/S) ≈ h per epoch.
+coordinate's law, computed with FFTs by repeated squaring. Each partial sum is kept on a
+window of the lattice around its bulk (plus room for one heavy coordinate in removal), and what
+falls outside is rounded the same way: below the window up to its start (removal) or to loss +∞
+(addition), above it to +∞ (removal) or down to its end (addition). Negative float round-off
+of the FFT is clipped to 0 (its size, ~1e-16 per point, is that of the accountant's own FFT
+composition). Tightness only — never soundness — depends on the lattice and the windows: the
+loss moves up by at most log(1 + t·h/S) ≈ t·h/S per epoch.
 
 Two more roundings, both of the loss upwards: addition's rounded sum 0 (every coordinate
 below h) is replaced by max_j Y_j ≤ S, rounded down on a geometric grid (P[max ≤ y] = F(y)^t);
@@ -179,64 +181,103 @@ def _cell_masses(mu: float, shift: float, spacing: float, points: int) -> tuple[
     return np.clip(low, 0.0, None), float(ndtr(-x[-1]))
 
 
-def _rounded_up(mu: float, shift: float, spacing: float, points: int) -> np.ndarray:
-    """Law of ceil(Y/h) on 0..points (index = multiple of h); mass above is left out (→ +∞)."""
-    cells, _ = _cell_masses(mu, shift, spacing, points)
-    return np.concatenate([[0.0], cells])
+#: A law on the lattice: (index of its first entry, masses); index i stands for the value i·h.
+_Law = tuple[int, np.ndarray]
 
 
-def _rounded_down(mu: float, shift: float, spacing: float, points: int) -> np.ndarray:
-    """Law of min(floor(Y/h), points) on 0..points: every value rounded down, none lost."""
-    cells, above = _cell_masses(mu, shift, spacing, points)
-    return np.concatenate([cells, [above]])
+@dataclass(frozen=True)
+class _Lattice:
+    """The lattice hℤ and, for a sum of m coordinates, the window of indices it keeps.
+
+    The window spans the bulk of the sum, [m − b·√(m·E[Y²]), m + b·√m·sd(Y)] (b = _BULK_STDS;
+    below it a sum of non-negative terms has mass ≤ e^{−b²/2}, the sub-Gaussian lower tail),
+    plus ``room`` above it for one heavy coordinate. Whatever falls outside is rounded in the
+    direction of the lattice — ``up``: mass below moves up to the window's start, mass above is
+    dropped (privacy loss +∞, counted in δ); down: mass below is dropped (loss +∞ for addition)
+    and mass above is floored to the window's end — so nothing outside ever lowers a loss. The
+    window only decides tightness and cost, never soundness.
+    """
+
+    mu: float
+    steps: int
+    points: int
+    room: float
+    up: bool
+
+    def _edges(self, m: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """The window's value range for sums of m coordinates (m may be an array)."""
+        second = math.exp(min(self.mu * self.mu, 700.0))
+        spread = _BULK_STDS * np.sqrt(m) * math.sqrt(second - 1.0)
+        low = np.maximum(0.0, m - _BULK_STDS * np.sqrt(m * second))
+        return low, m + spread + self.room
+
+    @property
+    def h(self) -> float:
+        """The spacing: every window of m ≤ t coordinates fits in ``points`` entries."""
+        return _spacing(self.mu, self.steps, self.points, self.room)
+
+    def window(self, m: int) -> tuple[int, int]:
+        """First and last index kept for a sum of ``m`` coordinates."""
+        low, _ = self._edges(float(m))
+        first = math.floor(float(low) / self.h)
+        return first, first + self.points - 1
+
+    def coordinate(self, shift: float) -> _Law:
+        """One coordinate exp(μZ + shift), rounded up (ceil) or down (floor) on the lattice."""
+        _, last = self.window(1)
+        k = np.arange(0, last + 1, dtype=float)  # edges k·h, k = 0..last
+        with np.errstate(divide="ignore"):
+            x = (np.log(k * self.h) - shift) / self.mu
+        below, above = ndtr(x), ndtr(-x)
+        # P[Y ∈ ((k−1)h, kh]] for k = 1..last, from whichever tail does not cancel.
+        cells = np.where(x[1:] <= 0, below[1:] - below[:-1], above[:-1] - above[1:])
+        cells = np.clip(cells, 0.0, None)
+        if self.up:  # ceil: index k for ((k−1)h, kh]; above the last edge → +∞ (left out)
+            return 0, np.concatenate([[0.0], cells])
+        # floor: index k for [kh, (k+1)h); above the last edge floored to it
+        return 0, np.concatenate([cells, [float(above[-1])]])
+
+    def add(self, a: _Law, b: _Law, m: int) -> _Law:
+        """The law of the sum (FFT convolution, round-off clipped at 0), cut to m's window."""
+        (oa, pa), (ob, pb) = a, b
+        size = pa.size + pb.size - 1
+        full = scipy.fft.next_fast_len(size, real=True)
+        out = scipy.fft.irfft(scipy.fft.rfft(pa, full) * scipy.fft.rfft(pb, full), full)[:size]
+        out = np.clip(out, 0.0, None)
+        offset = oa + ob
+        first, last = self.window(m)
+        lo, hi = max(first - offset, 0), min(last - offset, size - 1)
+        if lo > hi:  # pragma: no cover - the window always meets the sum's bulk
+            raise RuntimeError("the random-allocation lattice missed the sum")
+        kept = out[lo : hi + 1].copy()
+        if self.up:
+            kept[0] += out[:lo].sum()  # below the window: rounded up to its start
+        else:
+            kept[-1] += out[hi + 1 :].sum()  # above the window: floored to its end
+        return offset + lo, kept
+
+    def sum_of(self, law: _Law, count: int) -> _Law:
+        """The law of ``count`` ≥ 1 independent copies' sum (repeated squaring)."""
+        result: _Law | None = None
+        done, base, size = 0, law, 1
+        while count:
+            if count & 1:
+                done += size
+                result = base if result is None else self.add(result, base, done)
+            count >>= 1
+            if count:
+                size *= 2
+                base = self.add(base, base, size)
+        assert result is not None
+        return result
 
 
-def _convolve(a: np.ndarray, b: np.ndarray, floor_top: bool) -> np.ndarray:
-    """The law of the sum, cut to the same lattice: above the top it is dropped (→ +∞) or, with
-    ``floor_top``, floored to the top (both keep the direction of rounding)."""
-    size = a.size
-    full = scipy.fft.next_fast_len(2 * size - 1, real=True)
-    out = scipy.fft.irfft(scipy.fft.rfft(a, full) * scipy.fft.rfft(b, full), full)[: 2 * size - 1]
-    out = np.clip(out, 0.0, None)
-    kept = out[:size].copy()
-    if floor_top:
-        kept[-1] += out[size:].sum()
-    return kept
-
-
-def _sum_of(law: np.ndarray, count: int, floor_top: bool) -> np.ndarray:
-    """The law of ``count`` independent copies' sum (repeated squaring; count ≥ 0)."""
-    result: np.ndarray | None = None
-    base = law
-    while count:
-        if count & 1:
-            result = base if result is None else _convolve(result, base, floor_top)
-        count >>= 1
-        if count:
-            base = _convolve(base, base, floor_top)
-    if result is None:
-        result = np.zeros_like(law)
-        result[0] = 1.0
-    return result
-
-
-def _bulk(mu: float, steps: int) -> float:
-    """Mean plus _BULK_STDS standard deviations of a sum of t log-normals (mean 1 each)."""
-    return steps + _BULK_STDS * math.sqrt(steps * math.expm1(min(mu * mu, 700.0)))
-
-
-def lattice_spacing(mu: float, steps: int, points: int) -> float:
-    """Removal's h: the lattice covers the tilted coordinate W up to its (1 − TAIL_MASS)
-    quantile plus the bulk of the sum (mean 1, variance e^{μ²} − 1 per coordinate); above it
-    the mass goes to +∞ and is counted in δ."""
-    top_coordinate = math.exp(mu * float(ndtri(1.0 - TAIL_MASS)) + mu * mu / 2)
-    return (top_coordinate + _bulk(mu, steps)) / points
-
-
-def addition_spacing(mu: float, steps: int, points: int) -> float:
-    """Addition's h: the bulk of the sum is enough, since flooring what lies above the top
-    keeps every value rounded down (its privacy loss log(t/S) only rises) and loses no mass."""
-    return (_bulk(mu, steps) + 1.0) / points
+@lru_cache(maxsize=64)
+def _spacing(mu: float, steps: int, points: int, room: float) -> float:
+    """h such that the widest window over m = 1..t fits in ``points`` entries."""
+    lattice = _Lattice(mu, steps, points, room, up=True)
+    low, high = lattice._edges(np.arange(1, steps + 1, dtype=float))
+    return float(np.max(high - low)) / (points - 1)
 
 
 @lru_cache(maxsize=16)
@@ -244,27 +285,32 @@ def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> All
     """The two dominating discrete pairs of one epoch of ``steps`` steps at μ = 1/σ."""
     if steps < 2:
         raise ValueError("an epoch of one step is the Gaussian mechanism itself; use its pair")
-    top = points - 1  # lattice indices 0..top: arrays of ``points`` entries (power-of-two FFTs)
-    h = lattice_spacing(mu, steps, top)
     half = mu * mu / 2
-    # Removal: S = W + Y₂ + … + Y_t, every coordinate rounded up, the law under P.
-    others = _sum_of(_rounded_up(mu, -half, h, top), steps - 1, floor_top=False)
-    removal = _convolve(others, _rounded_up(mu, half, h, top), floor_top=False)
-    sums = np.arange(1, top + 1) * h  # S = k·h for k ≥ 1
-    # Addition: S = Y₁ + … + Y_t, every coordinate rounded down on its own lattice, law under Q.
-    add_top = max(points // 4, 1024) - 1
-    h_add = addition_spacing(mu, steps, add_top)
-    addition = _sum_of(_rounded_down(mu, -half, h_add, add_top), steps, floor_top=True)
-    # Addition's S_lo = 0 is the event max_j Y_j < h, on which S ≥ max_j Y_j: that maximum,
-    # rounded down on a geometric grid, replaces it (its law is P[max ≤ y] = F(y)^t).
-    bottom, bottom_mass = _maximum_below(mu, steps, h_add)
-    add_sums = np.concatenate([bottom, np.arange(1, add_top + 1) * h_add])
-    add_q = np.concatenate([bottom_mass, addition[1:]])
+    # Removal: S = W + Y₂ + … + Y_t, every coordinate rounded up, the law under P. Room above
+    # the bulk: the tilted coordinate W up to its (1 − TAIL_MASS) quantile.
+    room = math.exp(mu * float(ndtri(1.0 - TAIL_MASS)) + half)
+    lattice = _Lattice(mu, steps, points, room, up=True)
+    others = lattice.sum_of(lattice.coordinate(-half), steps - 1)
+    offset, removal = lattice.add(others, lattice.coordinate(half), steps)
+    sums = (offset + np.arange(removal.size)) * lattice.h
+    sums, removal = sums[sums > 0], removal[sums > 0]  # index 0 holds no mass: each Y ≥ h here
+    # Addition: S = Y₁ + … + Y_t, every coordinate rounded down, the law under Q (no room:
+    # what lies above the window is floored to it).
+    down_lattice = _Lattice(mu, steps, max(points // 2, 1024), 0.0, up=False)
+    add_offset, addition = down_lattice.sum_of(down_lattice.coordinate(-half), steps)
+    add_sums = (add_offset + np.arange(addition.size)) * down_lattice.h
+    if add_offset == 0:
+        # The rounded sum 0 is the event max_j Y_j < h, on which S ≥ max_j Y_j: that maximum,
+        # rounded down on a geometric grid, replaces it (its law is P[max ≤ y] = F(y)^t).
+        bottom, bottom_mass = _maximum_below(mu, steps, down_lattice.h)
+        add_sums = np.concatenate([bottom, add_sums[1:]])
+        addition = np.concatenate([bottom_mass, addition[1:]])
+    add_q = addition
     # Log likelihood ratios log(S/t), rounded onto a grid of LOSS_STEP in the direction that
     # raises each direction's loss (up for removal, down for addition: its loss is −v).
     up = np.ceil(np.log(sums / steps) / LOSS_STEP)
     down = np.floor(np.log(add_sums / steps) / LOSS_STEP)
-    removal_v, removal_p1 = _merged(up, removal[1:])
+    removal_v, removal_p1 = _merged(up, removal)
     addition_v, addition_p0 = _merged(down, add_q)
     return AllocationPairs(
         removal=DiscreteLossPair(
