@@ -156,7 +156,8 @@ class CompiledStep:
                 sums[name] = noise.add_(total)
         noisy = self.optimizer.aggregator.combine(aggregation.release(sums))
         for name, total in noisy.items():
-            self._params[name].grad = total.to(self._params[name].dtype)
+            param = self._params[name]
+            param.grad = total if total.dtype == param.dtype else total.to(param.dtype)
 
     def __repr__(self) -> str:
         """What the step does and how it is run."""
