@@ -242,7 +242,9 @@ class _Lattice:
         (oa, pa), (ob, pb) = a, b
         size = pa.size + pb.size - 1
         full = scipy.fft.next_fast_len(size, real=True)
-        out = scipy.fft.irfft(scipy.fft.rfft(pa, full) * scipy.fft.rfft(pb, full), full)[:size]
+        spectrum = scipy.fft.rfft(pa, full)
+        spectrum *= spectrum if pb is pa else scipy.fft.rfft(pb, full)  # squaring: one transform
+        out = scipy.fft.irfft(spectrum, full)[:size]
         out = np.clip(out, 0.0, None)
         offset = oa + ob
         first, last = self.window(m)
