@@ -410,7 +410,9 @@ def test_a_model_changed_outside_the_step_is_refused():
 def _standardising_collate(samples):
     x = torch.stack([s[0] for s in samples])
     y = torch.stack([s[1] for s in samples])
-    return (x - x.mean(0)) / (x.std(0) + 1e-6), y
+    if len(x) > 1:
+        x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    return x, y
 
 
 def test_a_collate_fn_with_batch_statistics_is_still_refused():
@@ -440,3 +442,116 @@ def test_poisson_batches_of_every_size_run_eagerly_and_spend_what_the_hooked_ste
     assert len(sizes) > 1
     assert eager.ledger.steps == hooked.ledger.steps
     assert eager.epsilon() == pytest.approx(hooked.epsilon(), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Review findings: each one a rule
+# ---------------------------------------------------------------------------------------------
+def test_a_forward_that_keeps_a_tensor_on_the_model_is_refused():
+    """A hook saving ``module.last = output`` would hand one step's examples to the next
+    step's rows (under vmap the saved tensor is a batched one), unclipped and unaccounted."""
+
+    class Remembering(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+            self.last: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if self.last is not None:
+                h = h + self.last
+            self.last = h.detach()
+            return self.b(h)
+
+    private = _run(model=Remembering())
+    step = private.compiled_step(compile=False)
+    x, y = next(iter(private.loader))
+    before = _params(private.model)
+    with pytest.raises(dpfy.ExamplesCoupled, match="'last'"):
+        step(x, y)
+    _unchanged(private, before)
+
+
+def test_half_precision_clips_to_c_exactly():
+    """Under bf16 autocast, every clipped row still weighs at most C: the norms, clip factors
+    and sums are formed in float32 (identical rows: the sum's norm is exactly examples·C/B)."""
+    data = TensorDataset(torch.full((N, 6), 3.0), torch.zeros(N, dtype=torch.long))
+    private = _run(data=data, zero_noise=True, lr=0.0)
+    step = private.compiled_step(compile=False)
+    x, y = next(iter(private.loader))
+    real = private.loader.provenance.current.padding.real
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step(x, y)
+    norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in private.model.parameters()))
+    assert norm <= real * CLIP / private.plan.divisor * (1 + 1e-6)
+    assert norm >= real * CLIP / private.plan.divisor * (1 - 1e-3)  # every row was clipped
+    assert all(p.grad.dtype == torch.float32 for p in private.model.parameters())
+
+
+class _Encoding(dict):
+    """A tokenizer's BatchEncoding stand-in: a Mapping batch of named tensors."""
+
+
+def _encoded(samples):
+    return _Encoding(x=torch.stack([s[0] for s in samples]), y=torch.stack([s[1] for s in samples]))
+
+
+def test_a_mapping_batch_is_held_and_accepted():
+    loader = torch.utils.data.DataLoader(_data(), batch_size=B, collate_fn=_encoded)
+    private = _run(data=loader)
+    step = private.compiled_step(compile=False)
+    batch = next(iter(private.loader))
+    step(batch["x"], batch["y"])
+    assert private.ledger.steps == 1
+
+
+def test_a_transformer_layer_runs_and_matches_the_hooked_step():
+    """nn.TransformerEncoderLayer's attention is substituted by dpfy: its parameters live one
+    level deeper than their original names, and the step finds them by identity."""
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Linear(2, 8)
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.layer(self.embed(x.view(-1, 3, 2))).mean(1))
+
+    runs = [_run(model=Tiny(), zero_noise=True) for _ in range(2)]
+    x, y = next(iter(runs[0].loader))
+    runs[0].optimizer.zero_grad()
+    nn.functional.cross_entropy(runs[0].model(x), y).backward()
+    runs[0].optimizer.step()
+    step = runs[1].compiled_step(compile=False)
+    step(*next(iter(runs[1].loader)))
+    for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_class_weights_under_mean_are_refused_since_they_would_cancel():
+    private = _run()
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        private.compiled_step(nn.CrossEntropyLoss(weight=torch.tensor([1.0, 10.0, 0.1])))
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 10.0, 0.1]), reduction="sum")
+    assert private.compiled_step(weighted, compile=False) is not None
+
+
+def test_a_gradient_hook_added_after_make_private_is_refused():
+    private = _run()
+    step = private.compiled_step(compile=False)
+    private.model[0].weight.register_hook(lambda g: g * 0)
+    x, y = next(iter(private.loader))
+    before = _params(private.model)
+    with pytest.raises(ValueError, match="hook"):
+        step(x, y)
+    _unchanged(private, before)
+
+
+def test_correlated_noise_runs_have_static_shapes_and_may_compile():
+    private = _run(algorithm="dp-ftrl", sampler=None, epochs=1)
+    assert private.compiled_step(compile=True) is not None  # compiles at its first step

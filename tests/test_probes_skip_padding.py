@@ -48,9 +48,7 @@ def _private(model: nn.Module, data=None, **kwargs):
         sampler="truncated-poisson", max_batch_size=M,
         behaviour_checks=CheckSchedule(first=STEPS, every=None), **kwargs,
     )  # fmt: skip
-    collate = private.loader.collate_fn
-    if collate.padding is None:  # until the loader wires it (/work/handoff/32-collate-padding.md)
-        collate.padding = LastDrawn(private.loader.dp_sampler)
+    assert isinstance(private.loader.collate_fn.padding, LastDrawn)  # the loader wires it
     return private
 
 

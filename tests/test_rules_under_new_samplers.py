@@ -108,7 +108,8 @@ def test_a_batch_from_a_plain_dataloader_is_refused(sampler):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="finding (/work/handoff/32-rule-findings.md §1): provenance stamps a layer call with "
+    reason="known limit of the hooked step (README, limits; the compiled step checks the tensors "
+    "themselves): provenance stamps a layer call with "
     "the batch in hand at forward time, and the only check of the rows is their count, so a "
     "plain DataLoader batch of the same row count fed while a loader batch is in hand is "
     "accepted and accounted as the sampled one; under truncated Poisson every batch has M rows, "

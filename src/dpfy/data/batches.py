@@ -19,6 +19,18 @@ def batch_length(batch: Any) -> int:
     raise ValueError(f"cannot find the batch dimension of a {type(batch).__name__}")
 
 
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor a collated batch holds, in order (any Mapping, e.g. a tokenizer's
+    ``BatchEncoding``, and any sequence), so a step can check it is given these tensors."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in batch_tensors(value)]
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return [t for value in batch for t in batch_tensors(value)]
+    return []
+
+
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
     """Examples ``start:stop`` of a collated batch, keeping its structure."""
     return _map_rows(batch, lambda rows: rows[start:stop])

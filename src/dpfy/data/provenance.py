@@ -16,9 +16,9 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from dpfy._validate import check_count
+from dpfy.data.batches import batch_tensors
 from dpfy.data.padding import Padding
 
 
@@ -86,11 +86,7 @@ class Provenance:
 
     def hold(self, batch: Any) -> None:
         """Remember the tensors of the batch just published, as handed out (weakly)."""
-        self._held = tuple(
-            (weakref.ref(t), t._version)
-            for t in pytree.tree_leaves(batch)
-            if isinstance(t, torch.Tensor)
-        )
+        self._held = tuple((weakref.ref(t), t._version) for t in batch_tensors(batch))
 
     def check_handed(self, tensors: tuple[torch.Tensor, ...]) -> DrawnBatch:
         """The batch in hand, if ``tensors`` are its tensors as the loader handed them out.
@@ -102,6 +98,11 @@ class Provenance:
         """
         batch = self.current
         held = {id(t): version for ref, version in self._held if (t := ref()) is not None}
+        if batch is not None and not held:
+            raise BatchRefused(
+                "the private loader's last batch holds no tensor this step could be fed (or "
+                "they were all freed); pass the tensors of the batch as the loader handed it out"
+            )
         for tensor in tensors:
             if id(tensor) not in held:
                 raise BatchRefused(
@@ -114,8 +115,9 @@ class Provenance:
             if tensor._version != held[id(tensor)]:
                 raise BatchRefused(
                     "a tensor of the loader's batch was written in place after it was handed "
-                    "out, so its rows may no longer be the examples the sampler drew; transform "
-                    "data in the dataset or collate_fn, not in the loop. Nothing was changed"
+                    "out (through a torch operation), so its rows may no longer be the examples "
+                    "the sampler drew; transform data in the dataset or collate_fn, not in the "
+                    "loop. Nothing was changed"
                 )
         if batch is None:  # a fresh Provenance holds nothing, so this is unreachable
             raise BatchRefused("no batch has been drawn by the private loader yet")

@@ -37,16 +37,27 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from dpfy.data.coupling import ExamplesCoupled
 from dpfy.data.provenance import BatchRefused, DrawnBatch
 from dpfy.plan.sampling import SamplingKind
 from dpfy.train.distributed import LocalAggregator
+from dpfy.train.grads.hooks import refuse_gradient_hooks
+from dpfy.train.grads.precision import compute_dtype
 from dpfy.train.optim import DPOptimizer, NonFiniteGradientError
 
 __all__ = ["STATIC_SHAPE_SAMPLERS", "CompiledStep"]
 
 #: Samplers whose every batch has the same number of rows: what ``compile=True`` needs (one
 #: graph per shape).
-STATIC_SHAPE_SAMPLERS = frozenset({SamplingKind.TRUNCATED_POISSON, SamplingKind.FIXED_SIZE})
+STATIC_SHAPE_SAMPLERS = frozenset(
+    {
+        SamplingKind.TRUNCATED_POISSON,
+        SamplingKind.FIXED_SIZE,
+        SamplingKind.TREE_SHUFFLE,  # DP-FTRL, BandMF and BLT cut each epoch into batches of B
+        SamplingKind.TREE_FIXED_ORDER,
+        SamplingKind.FIXED_ORDER_EPOCHS,
+    }
+)
 
 #: The module hook tables the forward pass reads; dpfy's own hooks are set aside from them.
 _HOOK_TABLES = (
@@ -58,11 +69,13 @@ _HOOK_TABLES = (
 
 #: Why the compiled step needs no model or loss probe (the card's words).
 _BY_CONSTRUCTION = (
-    "not needed with the compiled step: it computes each example's gradient from that example "
-    "alone (the model and criterion run on a batch of one row under torch.func.vmap)"
+    "not needed with the compiled step: it computes each example's gradient from that example's "
+    "row alone (the model and criterion run on a batch of one row under torch.func.vmap); values "
+    "the model or criterion read from globals or closures are not covered"
 )
 
 #: (params, weights, *batch) → (clipped sums by name, all norms finite, mean loss of examples).
+#: Names are the parameters' paths in the model as it runs (``functional_call``'s keys).
 ClippedSum = Callable[..., tuple[dict[str, Tensor], Tensor, Tensor]]
 
 
@@ -84,11 +97,16 @@ class CompiledStep:
         compile_options: dict[str, Any] | None = None,
     ) -> None:
         _check_fits(optimizer, compile)
+        _check_criterion(criterion)
         self.model = model
         self.optimizer = optimizer
         self.criterion = criterion
         self.compiled = compile
-        self._params = dict(optimizer.engine.params)  # name → Parameter, the privatised ones
+        self._params = dict(optimizer.engine.params)  # engine name → Parameter (the noise's keys)
+        #: engine name → the parameter's path in the model as it runs (a substituted layer,
+        #: e.g. attention, holds its parameters one level deeper than the original did)
+        self._paths = _paths_in(model, self._params)
+        self._device = next(iter(self._params.values())).device
         self._aside = _HooksAside(model)
         self._weight_cache: dict[tuple[int, int], Tensor] = {}
         function = _clipped_sum(model, criterion, optimizer.plan.max_grad_norm)
@@ -97,11 +115,6 @@ class CompiledStep:
             if compile
             else function
         )
-        behaviour = optimizer.behaviour
-        if behaviour is not None:  # the card says why the model and loss were not probed
-            for tally in (behaviour.model.tally, behaviour.loss.tally if behaviour.loss else None):
-                if tally is not None:
-                    tally.skip(_BY_CONSTRUCTION)
 
     def __call__(self, *batch: Tensor) -> Tensor:
         """Clip, sum, noise, update and record one step on the loader's last batch."""
@@ -112,14 +125,17 @@ class CompiledStep:
             )
         optimizer = self.optimizer
         drawn = optimizer.take_handed(batch)
+        optimizer._guarded(refuse_gradient_hooks, self._params)  # their change would be lost
         rows = int(batch[0].shape[0])
         examples = _examples(drawn, rows, batch)
         weights = self._weights(rows, examples)
-        params = {name: p.detach() for name, p in self._params.items()}
+        batch = tuple(t.to(self._device, non_blocking=True) for t in batch)  # the loader's, moved
+        params = {self._paths[name]: p.detach() for name, p in self._params.items()}
         try:
             with self._aside.set_aside(), optimizer.engine.paused():
                 sums, finite, loss = self._function(params, weights, *batch)
-        except RuntimeError as err:
+            _refuse_escaped(self.model)
+        except Exception as err:
             optimizer._abandon()
             raise _explained(err) from err
         if not bool(finite):
@@ -130,7 +146,16 @@ class CompiledStep:
                 "are unchanged — check the inputs and the loss, or lower the learning rate"
             )
         optimizer.commit(drawn, examples, lambda: self._write(sums))
+        self._note_on_card()
         return loss
+
+    def _note_on_card(self) -> None:
+        """The card says why the model and loss were not probed on the steps taken here."""
+        behaviour = self.optimizer.behaviour
+        if behaviour is not None:
+            for tally in (behaviour.model.tally, behaviour.loss.tally if behaviour.loss else None):
+                if tally is not None:
+                    tally.skip(_BY_CONSTRUCTION)
 
     def _weights(self, rows: int, examples: int) -> Tensor:
         """Each row's weight in the sum: 1/B (the expected batch size) for examples, 0 padding.
@@ -148,8 +173,9 @@ class CompiledStep:
     def _write(self, sums: dict[str, Tensor]) -> None:
         """p.grad = (the clipped sums opened from the mechanism's noise, released) for all p."""
         aggregation = self.optimizer.aggregation
+        sums = {name: sums[path] for name, path in self._paths.items()}  # the noise's keys
         opening = aggregation.opening()
-        if opening is not None:  # independent noise: each sum opens from it
+        if opening is not None:  # independent noise: each sum opens from it (float32 at least)
             for name, total in sums.items():
                 noise = torch.empty_like(total)
                 opening.fill(name, noise)
@@ -188,13 +214,77 @@ def _check_fits(optimizer: DPOptimizer, compile: bool) -> None:
         )
 
 
+def _check_criterion(criterion: Callable[..., Tensor]) -> None:
+    """Refuse a loss whose meaning a batch of one row would change without a word."""
+    if getattr(criterion, "weight", None) is not None and (
+        getattr(criterion, "reduction", "mean") == "mean"
+    ):
+        raise ValueError(
+            "the criterion has class weights under reduction='mean', which divides by the "
+            "weights of the batch's labels: on each example alone (as the compiled step "
+            "computes it) the weight cancels and has no effect. Use reduction='sum' to keep each "
+            "example's weight (and scale the learning rate), or drop the weights"
+        )
+
+
+def _paths_in(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, str]:
+    """Each privatised parameter's path in ``model`` as it runs, by identity."""
+    paths = {id(p): path for path, p in model.named_parameters()}
+    missing = [name for name, p in params.items() if id(p) not in paths]
+    if missing:
+        raise ValueError(
+            f"parameters {missing} are privatised but not found in the model; the compiled step "
+            "needs the model that make_private was given"
+        )
+    return {name: paths[id(p)] for name, p in params.items()}
+
+
+def _refuse_escaped(model: nn.Module) -> None:
+    """Refuse a step after which a module holds a value computed inside the per-example pass.
+
+    A forward pass (or hook) that keeps a tensor on the module — ``self.last = h`` — would hand
+    one step's examples to the next step's rows, outside clipping and accounting; under ``vmap``
+    such a tensor is still a batched one, which is how it is recognised.
+    """
+    for name, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if attribute in _NOT_STATE:
+                continue
+            if _holds_batched(value):
+                where = f"{name}.{attribute}" if name else attribute
+                raise ExamplesCoupled(
+                    f"the model kept a value computed from this step's examples ({where!r}, set "
+                    "in its forward pass or a hook); the next step would read it, so one step's "
+                    "examples would reach another's rows unclipped. The step was refused before "
+                    "the update; keep no tensor of the forward pass on the model, or train with "
+                    "the hooked step"
+                )
+
+
+#: A module's own attributes that are not state a forward pass writes (hooks, children).
+_NOT_STATE = frozenset({"_modules", *_HOOK_TABLES})
+
+
+def _holds_batched(value: Any, depth: int = 2) -> bool:
+    """Whether ``value`` (or a container of it, ``depth`` levels down) is a batched tensor."""
+    if isinstance(value, Tensor):
+        return torch._C._functorch.is_functorch_wrapped_tensor(value)
+    if depth and isinstance(value, dict):
+        return any(_holds_batched(v, depth - 1) for v in value.values())
+    if depth and isinstance(value, (list, tuple, set)):
+        return any(_holds_batched(v, depth - 1) for v in value)
+    return False
+
+
 def _clipped_sum(model: nn.Module, criterion: Callable[..., Tensor], clip: float) -> ClippedSum:
     """(params, weights, *batch) → (Σ_i w_i·clip_C(g_i) by name, all ‖g_i‖ finite, mean loss).
 
     Per-example gradients are ``vmap`` of ``grad`` of the model and criterion on one row (guide
     alg. 1); each row is scaled by min(1, C/‖g_i‖) over all parameters together, times its weight.
     Buffers are read from the model itself (unbatched: a write into one fails under ``vmap``).
-    The mean loss is over rows of weight > 0 (the examples), for the caller's progress only.
+    Norms, clip factors and sums are formed in float32 at least with autocast off, as the engine
+    forms them (:mod:`dpfy.train.grads.precision`): in half precision a clipped row could exceed
+    C by rounding. The mean loss is over rows of weight > 0 (the examples), for progress only.
     """
 
     def loss_of_one(params: dict[str, Tensor], *row: Tensor) -> tuple[Tensor, Tensor]:
@@ -216,12 +306,17 @@ def _clipped_sum(model: nn.Module, criterion: Callable[..., Tensor], clip: float
     ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         in_dims = (None, *([0] * len(batch)))
         grads, losses = vmap(per_example, in_dims=in_dims, randomness="different")(params, *batch)
-        squares = [g.flatten(1).float().square().sum(1) for g in grads.values()]
-        norms = torch.stack(squares).sum(0).sqrt()
-        factors = clip / norms.clamp(min=clip) * weights  # 1 when ‖g‖ ≤ C; never ÷ 0
-        sums = {name: torch.tensordot(factors.to(g.dtype), g, dims=1) for name, g in grads.items()}
-        examples = weights > 0
-        loss = (losses * examples).sum() / examples.sum().clamp(min=1)
+        with torch.autocast(weights.device.type, enabled=False):
+            wide = {name: g.to(compute_dtype(g.dtype)) for name, g in grads.items()}
+            squares = [g.flatten(1).square().sum(1) for g in wide.values()]
+            norms = torch.stack(squares).sum(0).sqrt()
+            factors = clip / norms.clamp(min=clip) * weights  # 1 when ‖g‖ ≤ C; never ÷ 0
+            sums = {
+                name: torch.tensordot(factors.to(g.dtype), g, dims=1) for name, g in wide.items()
+            }
+            examples = weights > 0
+            real = torch.where(examples, losses.float(), 0.0)  # a padding row's NaN left out
+            loss = real.sum() / examples.sum().clamp(min=1)
         return sums, torch.isfinite(norms).all(), loss
 
     return clipped_sum
@@ -241,15 +336,19 @@ def _examples(drawn: DrawnBatch, rows: int, batch: tuple[Tensor, ...]) -> int:
     return drawn.padding.real
 
 
-def _explained(err: RuntimeError) -> Exception:
-    """What a failure inside the per-example function means for the user."""
-    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+def _explained(err: Exception) -> Exception:
+    """What a failure inside the per-example pass means for the user (a refusal stays itself)."""
+    if isinstance(err, BatchRefused):
+        return err
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    cause = lines[-1] if lines else type(err).__name__
     return ValueError(
         f"the model or criterion could not run on one example at a time under torch.func.vmap "
-        f"({first}). Usual causes: a forward pass that writes into the model's parameters or "
-        "buffers (BatchNorm's running statistics in training: use GroupNorm or LayerNorm), "
-        "or one that reads a value back to Python (.item(), data-dependent if). Fix that, or "
-        "train with the hooked step (loss.backward(); optimizer.step()). Nothing was changed"
+        f"({type(err).__name__}: {cause}). Usual causes: a forward pass that writes into the "
+        "model's parameters or buffers (BatchNorm's running statistics in training: use "
+        "GroupNorm or LayerNorm), one that reads a value back to Python (.item(), a "
+        "data-dependent if), or a layer torch.func cannot batch (nn.GRU). Fix that, or train "
+        "with the hooked step (loss.backward(); optimizer.step()). Nothing was changed"
     )
 
 
