@@ -158,6 +158,17 @@ def test_bound_is_below_the_gaussian_and_close_to_poisson(sigma, t, epochs):
     assert 0.7 * reference < ours < 1.25 * reference
 
 
+@pytest.mark.parametrize(("sigma", "k", "epochs"), [(0.3, 3, 2), (0.4, 100, 2), (0.3, 3, 1)])
+def test_small_sigma_is_never_charged_more_than_a_gaussian_per_epoch(sigma, k, epochs):
+    """At small σ each coordinate's heavy tail makes the lattice coarse: the epoch's curve is
+    then capped by the Gaussian's (which also dominates it), so the bound never exceeds the
+    unamplified charge (dp_accounting: epochs × Gaussian of σ)."""
+    ours = _epsilon(SelfComposedEvent(BallsInBinsEpochEvent(sigma, k), epochs), 1e-5)
+    reference = dpa.pld.PLDAccountant()
+    reference.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(sigma), epochs))
+    assert ours <= reference.get_epsilon(1e-5) * (1 + 1e-3)
+
+
 @pytest.mark.parametrize(("sigma", "k", "epochs"), [(1.0, 2000, 2), (2.0, 1000, 4)])
 def test_long_epochs_stay_close_to_poisson(sigma, k, epochs):
     """Thousands of steps per epoch (windowed lattice, 2^18 points): within 10 % of Poisson

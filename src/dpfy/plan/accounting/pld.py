@@ -276,7 +276,7 @@ def _compose_leaves(keys: dict[_Key, int], precision: PldPrecision) -> list[Disc
         directions.append(False)
     return [
         compose_directions(
-            {Direction(_way(lf.pair, way), lf.sampling_rate, way): c for lf, c in leaves.items()},
+            {_direction(lf, way): c for lf, c in leaves.items()},
             precision,
         )
         for way in directions
@@ -284,10 +284,13 @@ def _compose_leaves(keys: dict[_Key, int], precision: PldPrecision) -> list[Disc
 
 
 def _directed(pair: object) -> bool:
-    """Whether a leaf carries one dominating pair per direction (balls-in-bins epochs)."""
-    return hasattr(pair, "directed")
+    """Whether a leaf builds its own direction per way (balls-in-bins epochs)."""
+    return hasattr(pair, "direction")
 
 
-def _way(pair: Any, removal: bool) -> LikelihoodRatioPair:
-    """The pair a direction composes: a directed leaf's own pair for it, else the leaf's pair."""
-    return pair.directed(removal) if _directed(pair) else pair
+def _direction(leaf: _Leaf, removal: bool) -> Direction:
+    """The direction a leaf composes: a directed leaf's own, else its pair at its rate."""
+    pair: Any = leaf.pair
+    if _directed(pair):
+        return pair.direction(removal)
+    return Direction(pair, leaf.sampling_rate, removal)

@@ -51,8 +51,10 @@ gives a dominating PLD (the pessimistic discretisation of Meiser & Mohammadi 201
 Ghazi, Kamath, Kumar & Manurangsi 2022), and domination survives composition (Zhu, Dong & Wang
 2022, Thm. 10) — with the other epochs and with any other leaf of the run, direction by
 direction. (4) The accountant then discretises these pairs by connect-the-dots and composes
-them like every leaf (:mod:`dpfy.plan.accounting.pld`). k = N // B is fixed by the plan (a
-public number of steps), the same on neighbouring datasets.
+them like every leaf (:mod:`dpfy.plan.accounting.pld`); each direction's curve is capped by
+the Gaussian mechanism's, which dominates the epoch too (:class:`CappedDirection`), so an epoch
+is never charged more than before. k = N // B is fixed by the plan (a public number of steps),
+the same on neighbouring datasets.
 
 Not a Monte Carlo estimate: no sampling is involved anywhere. Poisson-subsampled steps at
 q = 1/t are the natural comparison (Feldman & Shenfeld 2025: random allocation is close to it;
@@ -70,7 +72,7 @@ import numpy as np
 import scipy.fft
 from scipy.special import ndtr, ndtri
 
-from dpfy.plan.accounting.pld_pairs import LikelihoodRatioPair
+from dpfy.plan.accounting.pld_pairs import Direction, GaussianPair, LikelihoodRatioPair
 
 __all__ = [
     "DEFAULT_POINTS",
@@ -144,14 +146,82 @@ class DiscreteLossPair(LikelihoodRatioPair):
 @dataclass(frozen=True, eq=False)
 class AllocationPairs:
     """One epoch's two dominating pairs: ``removal`` is used as (P₁ ‖ P₀), ``addition`` as
-    (P₀ ‖ P₁) — the PLD accountant's two directions of an unsampled leaf."""
+    (P₀ ‖ P₁) — the PLD accountant's two directions of an unsampled leaf — and μ = 1/σ, the
+    Gaussian mechanism that also dominates the epoch (each example is in one step of it)."""
 
     removal: DiscreteLossPair
     addition: DiscreteLossPair
+    mu: float
 
     def directed(self, removal: bool) -> DiscreteLossPair:
         """The pair the accountant's ``removal`` (True) or addition (False) direction uses."""
         return self.removal if removal else self.addition
+
+    def direction(self, removal: bool) -> Direction:
+        """The accountant's direction: this pair's curve, capped by the Gaussian's."""
+        return CappedDirection(self.directed(removal), 1.0, removal, self.mu)
+
+
+@dataclass(frozen=True)
+class CappedDirection(Direction):
+    """A direction whose curve is never above the Gaussian mechanism's (μ = ``gaussian``).
+
+    Both pairs dominate the epoch, so the true curve δ(ε) — convex in x = e^ε, with δ = 1 at
+    x = 0 — lies below both at every point; hence below the lower convex hull (in x) of
+    (0, 1) and the points (x_i, min(δ_pair, δ_Gauss)(ε_i)) asked for, and below the chords
+    between them. That hull is itself convex, so connect-the-dots on its values is a valid
+    dominating PLD (Doroshenko et al. 2022): at small σ, where the lattice is coarse, the epoch
+    is never charged more than one Gaussian of σ.
+    """
+
+    gaussian: float = math.inf
+
+    @property
+    def _plain(self) -> Direction:
+        return Direction(GaussianPair(self.gaussian), 1.0, self.removal)
+
+    def loss_range(self) -> tuple[float, float]:
+        """Both curves' ranges: the grid must reach wherever either one is the lower."""
+        own, plain = super().loss_range(), self._plain.loss_range()
+        return min(own[0], plain[0]), max(own[1], plain[1])
+
+    def lower_tail(self, eps: np.ndarray) -> np.ndarray:
+        """The larger of both lower tails (where the grid starts only decides tightness)."""
+        return np.maximum(super().lower_tail(eps), self._plain.lower_tail(eps))
+
+    def hockey_stick(self, eps: np.ndarray) -> np.ndarray:
+        eps = np.asarray(eps, dtype=float)
+        own = super().hockey_stick(eps)
+        plain = self._plain.hockey_stick(eps)
+        lowest = np.minimum(own, plain)
+        if lowest.size < 2:
+            return lowest
+        order = np.argsort(eps, kind="stable")
+        hull = np.empty_like(lowest)
+        hull[order] = _lower_hull(eps[order], lowest[order])
+        return hull
+
+
+def _lower_hull(eps: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The lower convex hull in x = e^ε of (0, 1) and (e^{ε_i}, values_i), at each x_i (sorted).
+
+    Slopes are compared in ε-independent form: x spans e^{±200}, so points are taken relative
+    to the first one (monotone chain, Andrew 1979).
+    """
+    x = np.concatenate([[0.0], np.exp(eps)])
+    y = np.concatenate([[1.0], values])
+    keep: list[int] = []
+    for i in range(x.size):
+        while len(keep) >= 2:
+            a, b = keep[-2], keep[-1]
+            # b lies on or above the segment a → i: drop it (cross product ≤ 0)
+            if (x[b] - x[a]) * (y[i] - y[a]) - (y[b] - y[a]) * (x[i] - x[a]) <= 0:
+                keep.pop()
+            else:
+                break
+        keep.append(i)
+    vertices = np.array(keep)
+    return np.interp(x[1:], x[vertices], y[vertices])
 
 
 @dataclass(frozen=True)
@@ -321,6 +391,7 @@ def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> All
         addition=DiscreteLossPair(
             addition_v, addition_p0 * np.exp(addition_v), addition_p0, removal=False
         ),
+        mu=mu,
     )
 
 
