@@ -25,6 +25,7 @@ from dpfy.plan.accounting.calibrate import (
     smallest_noise_multiplier,
 )
 from dpfy.plan.accounting.events import (
+    BallsInBinsEpochEvent,
     ComposedEvent,
     DpEvent,
     FixedSizeSampledEvent,
@@ -47,6 +48,7 @@ from dpfy.plan.accounting.rdp import GridEdgeWarning, RdpAccountant
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
+    "BallsInBinsEpochEvent",
     "CalibrationError",
     "ComposedEvent",
     "DpEvent",
