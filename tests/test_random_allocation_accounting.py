@@ -66,7 +66,7 @@ def _monte_carlo_lower(sigma: float, t: int, epsilon: float, removal: bool) -> f
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
-@pytest.mark.parametrize("sigma", [0.8, 1.5])
+@pytest.mark.parametrize("sigma", [0.6, 0.8, 1.5])
 def test_bound_is_never_below_a_monte_carlo_estimate_in_either_direction(t, sigma):
     accountant = PldAccountant().compose(BallsInBinsEpochEvent(sigma, t))
     removal, addition = accountant.composed()

@@ -24,8 +24,12 @@ With t = 1 both are the Gaussian mechanism's own pair (the accountant then uses 
 leaf, exactly).
 
 **A pessimistic discretisation, so ε stays an upper bound.** Each coordinate is rounded on the
-lattice hℤ: *up* for removal (ceil(Y/h)·h ≥ Y, values above the lattice's top go to +∞) and
-*down* for addition (floor(Y/h)·h ≤ Y, values above the top are floored to it). Coupled draw by
+lattice hℤ: *up* for removal (ceil(Y/h)·h ≥ Y) and *down* for addition (floor(Y/h)·h ≤ Y,
+values above the top are floored to it). Removal's log-normal coordinates have heavy right
+tails (exp(Z/σ)), so it splits on a threshold c: while no coordinate exceeds c all are on the
+lattice; when exactly one does, it is rounded up on a geometric grid and the others' sum is
+replaced by the largest value the lattice keeps for it; two or more go to +∞ (mass ≤ 1e-13);
+see :func:`_removal_law`. Coupled draw by
 draw, the rounded sum is ≥ S (removal) or ≤ S (addition), so every privacy loss is rounded
 *up*: the discrete PLD is the original one with mass moved to larger losses (and to +∞), which is
 again a valid PLD and dominates it, under composition too (Meiser & Mohammadi 2018; Zhu, Dong &
@@ -292,9 +296,12 @@ class _Lattice:
         first = math.floor(float(low) / self.h)
         return first, first + self.points - 1
 
-    def coordinate(self, shift: float) -> _Law:
-        """One coordinate exp(μZ + shift), rounded up (ceil) or down (floor) on the lattice."""
-        _, last = self.window(1)
+    def coordinate(self, shift: float, last: int | None = None) -> _Law:
+        """One coordinate exp(μZ + shift), rounded up (ceil) or down (floor) on the lattice;
+        rounded up, only its values up to ``last``·h (the rest is left out: +∞, or another
+        branch's)."""
+        if last is None:
+            _, last = self.window(1)
         k = np.arange(0, last + 1, dtype=float)  # edges k·h, k = 0..last
         with np.errstate(divide="ignore"):
             x = (np.log(k * self.h) - shift) / self.mu
@@ -358,14 +365,7 @@ def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> All
     if steps < 2:
         raise ValueError("an epoch of one step is the Gaussian mechanism itself; use its pair")
     half = mu * mu / 2
-    # Removal: S = W + Y₂ + … + Y_t, every coordinate rounded up, the law under P. Room above
-    # the bulk: the tilted coordinate W up to its (1 − TAIL_MASS) quantile.
-    room = math.exp(mu * float(ndtri(1.0 - TAIL_MASS)) + half)
-    lattice = _Lattice(mu, steps, points, room, up=True)
-    others = lattice.sum_of(lattice.coordinate(-half), steps - 1)
-    offset, removal = lattice.add(others, lattice.coordinate(half), steps)
-    sums = (offset + np.arange(removal.size)) * lattice.h
-    sums, removal = sums[sums > 0], removal[sums > 0]  # index 0 holds no mass: each Y ≥ h here
+    sums, removal = _removal_law(mu, steps, points)
     # Addition: S = Y₁ + … + Y_t, every coordinate rounded down, the law under Q (no room:
     # what lies above the window is floored to it).
     down_lattice = _Lattice(mu, steps, max(points // 2, 1024), 0.0, up=False)
@@ -393,6 +393,80 @@ def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> All
         ),
         mu=mu,
     )
+
+
+#: Mass of "two or more coordinates above the threshold", sent to +∞ in removal (bound).
+PAIR_MASS = 1e-13
+#: Geometric step (in log) of the grid on which one large coordinate is rounded up.
+_BIG_STEP = 1e-3
+#: The threshold is at least this many times the width of the bulk of the sum: replacing the
+#: other coordinates' sum by its largest kept value then raises the loss by ≤ log(1 + 1/10).
+_BIG_OVER_BULK = 10.0
+
+
+def _threshold(mu: float, steps: int) -> float:
+    """c: above it a coordinate is "large". At least _BIG_OVER_BULK bulk widths, and high
+    enough that two large coordinates have mass ≤ PAIR_MASS; never above W's (1 − TAIL_MASS)
+    quantile (the lattice's room without this branch)."""
+    half = mu * mu / 2
+    bulk = 2 * _BULK_STDS * math.sqrt(steps * math.expm1(min(mu * mu, 700.0)))
+    top = half - mu * float(ndtri(TAIL_MASS))  # log of W's quantile
+
+    def pairs(log_c: float) -> float:
+        w = float(ndtr(-(log_c - half) / mu))
+        y = float(ndtr(-(log_c + half) / mu))
+        return w * (steps - 1) * y + (steps - 1) * (steps - 2) / 2 * y * y
+
+    lo, hi = math.log(max(_BIG_OVER_BULK * bulk, 1.0)), top
+    if lo >= hi or pairs(lo) <= PAIR_MASS:
+        return math.exp(min(lo, hi))
+    for _ in range(60):  # pairs() decreases in c
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if pairs(mid) <= PAIR_MASS else (mid, hi)
+    return math.exp(hi)
+
+
+def _above(mu: float, shift: float, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Upper edges e_i = c·e^{i·step} and P[exp(μZ + shift) ∈ (e_{i−1}, e_i]] above c, up to
+    where the tail is below 1e-18 (beyond: left out, +∞)."""
+    log_c = math.log(threshold)
+    log_end = max(shift - mu * float(ndtri(1e-18)), log_c + _BIG_STEP)
+    logs = log_c + _BIG_STEP * np.arange(math.ceil((log_end - log_c) / _BIG_STEP) + 1)
+    tail = ndtr(-(logs - shift) / mu)
+    return np.exp(logs[1:]), np.clip(tail[:-1] - tail[1:], 0.0, None)
+
+
+def _removal_law(mu: float, steps: int, points: int) -> tuple[np.ndarray, np.ndarray]:
+    """Values of S rounded up (all > 0) and their masses under P, for removal.
+
+    Split on the coordinates above a threshold c (a lattice point): none — every coordinate
+    rounded up on the lattice, summed (windowed); exactly one — that coordinate rounded up on
+    a geometric grid above c, plus the largest value the window keeps for the sum of the
+    others (their law computed the same way, restricted to ≤ c); two or more — left out
+    (+∞, mass ≤ PAIR_MASS). Each branch's value is ≥ S on its event, and the events are
+    disjoint, so every privacy loss is rounded up.
+    """
+    half = mu * mu / 2
+    threshold = _threshold(mu, steps)
+    lattice = _Lattice(mu, steps, points, threshold, up=True)
+    h = lattice.h
+    cut = max(math.floor(threshold / h), 1)  # c on the lattice: "large" means > cut·h
+    threshold = cut * h
+    small_y = lattice.coordinate(-half, cut)
+    small_w = lattice.coordinate(half, cut)
+    rest = lattice.sum_of(small_y, steps - 2) if steps > 2 else (0, np.ones(1))
+    without_w = lattice.add(rest, small_y, steps - 1)  # Y₂ … Y_t, all ≤ c
+    without_y = lattice.add(rest, small_w, steps - 1)  # W and t − 2 of the Y, all ≤ c
+    offset, none = lattice.add(without_w, small_w, steps)
+    values = [(offset + np.arange(none.size)) * h]
+    masses = [none]
+    for (law_offset, law), shift, ways in ((without_w, half, 1), (without_y, -half, steps - 1)):
+        largest = (law_offset + law.size - 1) * h
+        edges, cells = _above(mu, shift, threshold)
+        values.append(largest + edges)
+        masses.append(ways * float(law.sum()) * cells)
+    sums, mass = np.concatenate(values), np.concatenate(masses)
+    return sums[sums > 0], mass[sums > 0]  # the lattice's 0 holds no mass: each Y ≥ h
 
 
 #: Grid of the stored log likelihood ratios: rounding a privacy loss up by at most this much
