@@ -91,9 +91,9 @@ __all__ = [
 #: finding asks for 2^16; 2^18 keeps its answers within ~10 % of the reported ones).
 DEFAULT_POINTS = 1 << 20
 SEARCH_POINTS = 1 << 18
-#: Mass of the top coordinate's law above the lattice (sent to +∞ in removal, counted in δ).
+#: The large-coordinate threshold never exceeds W's (1 − TAIL_MASS) quantile.
 TAIL_MASS = 1e-12
-#: Standard deviations of the bulk of S that the lattice covers beyond the largest coordinate.
+#: Standard deviations of a partial sum that its lattice window covers on each side.
 _BULK_STDS = 12.0
 
 
@@ -207,10 +207,9 @@ class CappedDirection(Direction):
 
 
 def _lower_hull(eps: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """The lower convex hull in x = e^ε of (0, 1) and (e^{ε_i}, values_i), at each x_i (sorted).
-
-    Slopes are compared in ε-independent form: x spans e^{±200}, so points are taken relative
-    to the first one (monotone chain, Andrew 1979).
+    """The lower convex hull in x = e^ε of (0, 1) and (e^{ε_i}, values_i), at each x_i (sorted
+    ε), by the monotone chain (Andrew 1979): a point on or above the segment joining its
+    neighbours is dropped. x stays below e^{200}, far from overflow in the cross products.
     """
     x = np.concatenate([[0.0], np.exp(eps)])
     y = np.concatenate([[1.0], values])
@@ -243,18 +242,6 @@ class RandomAllocationLeaf:
 # ---------------------------------------------------------------------------------------------
 # The law of one rounded coordinate, and of the rounded sum
 # ---------------------------------------------------------------------------------------------
-def _cell_masses(mu: float, shift: float, spacing: float, points: int) -> tuple[np.ndarray, float]:
-    """P[Y ∈ ((k−1)h, kh]] for k = 1..points and P[Y > points·h], Y = exp(μZ + shift).
-
-    Differences of Φ on the side of the median where they do not cancel.
-    """
-    k = np.arange(1, points + 1, dtype=float)
-    x = (np.log(k * spacing) - shift) / mu
-    previous = np.concatenate([[-np.inf], x[:-1]])
-    low = np.where(x <= 0, ndtr(x) - ndtr(previous), ndtr(-previous) - ndtr(-x))
-    return np.clip(low, 0.0, None), float(ndtr(-x[-1]))
-
-
 #: A law on the lattice: (index of its first entry, masses); index i stands for the value i·h.
 _Law = tuple[int, np.ndarray]
 
