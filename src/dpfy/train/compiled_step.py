@@ -67,6 +67,9 @@ _HOOK_TABLES = (
     "_backward_hooks",
 )
 
+#: torch.compile modes that replay CUDA graphs, whose outputs the next replay overwrites.
+_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+
 #: Why the compiled step needs no model or loss probe (the card's words).
 _BY_CONSTRUCTION = (
     "not needed with the compiled step: it computes each example's gradient from that example's "
@@ -109,6 +112,8 @@ class CompiledStep:
         self._device = next(iter(self._params.values())).device
         self._aside = _HooksAside(model)
         self._weight_cache: dict[tuple[int, int], Tensor] = {}
+        #: CUDA graphs (these modes) overwrite a graph's outputs at its next run: keep a copy.
+        self._copy_loss = compile and (compile_options or {}).get("mode") in _GRAPH_MODES
         function = _clipped_sum(model, criterion, optimizer.plan.max_grad_norm)
         self._function: ClippedSum = (
             torch.compile(function, dynamic=False, **(compile_options or {}))
@@ -147,7 +152,7 @@ class CompiledStep:
             )
         optimizer.commit(drawn, examples, lambda: self._write(sums))
         self._note_on_card()
-        return loss
+        return loss.clone() if self._copy_loss else loss
 
     def _note_on_card(self) -> None:
         """The card says why the model and loss were not probed on the steps taken here."""
