@@ -22,7 +22,7 @@ from torch import nn
 
 from dpfy._safe_io import check_regular_file
 from dpfy.data.loader import DPDataLoader
-from dpfy.plan.accounting.events import GaussianEvent
+from dpfy.plan.accounting.events import GaussianEvent, SelfComposedEvent
 from dpfy.plan.privacy_plan import PrivacyPlan
 from dpfy.plan.sampling import SamplingKind
 from dpfy.train import report_seam
@@ -45,7 +45,7 @@ REWOUND = "rewound steps"
 #: the same data, so they stay in its ledger.
 SPENT_BEFORE_LOAD = "steps before loading another run's checkpoint"
 #: The label of a balls-in-bins epoch's batches released again after going back inside it.
-REPLAYED_EPOCH = "balls-in-bins batches released again after going back inside their epoch"
+REPLAYED_EPOCH = "balls-in-bins epochs released again with their assignment after going back"
 
 
 class PrivateTraining:
@@ -238,6 +238,7 @@ class PrivateTraining:
         ledger = PrivacyLedger.from_state_dict(state["ledger"])  # validates before any change
         _check_binding(ledger, state["run"], mine, state["mechanism"])
         carried = REWOUND if ledger.run_id == self.run_id else SPENT_BEFORE_LOAD
+        steps_before = self.ledger.steps  # the training steps released before this load
         if ledger.run_id == self.run_id:
             rewound = self.ledger.spent_beyond(ledger)
         else:  # another run's checkpoint: what this session already released stays spent
@@ -275,24 +276,29 @@ class PrivateTraining:
             self.ledger.record_event(
                 event, label=carried if label in (TRAINING, REWOUND) else label, count=count
             )
-        if rewound and ledger.run_id == self.run_id and self._inside_an_epoch(ledger.steps):
-            self.ledger.record_event(
-                GaussianEvent(self.plan.noise_multiplier), label=REPLAYED_EPOCH
-            )
+        if rewound and ledger.run_id == self.run_id:
+            replayed = self._replayed_epochs(ledger.steps, steps_before)
+            if replayed:
+                gaussians = SelfComposedEvent(GaussianEvent(self.plan.noise_multiplier), 2)
+                self.ledger.record_event(gaussians, label=REPLAYED_EPOCH, count=replayed)
 
-    def _inside_an_epoch(self, steps: int) -> bool:
-        """Whether a balls-in-bins run resumed after ``steps`` steps is part-way into an epoch.
+    def _replayed_epochs(self, resumed_at: int, reached: int) -> int:
+        """How many balls-in-bins epochs going back from step ``reached`` to ``resumed_at`` may
+        release a second time with the assignment of examples to batches they had.
 
-        Its epoch was charged once, at its first step, for all k of its batches; going back to
-        a point inside it and training on releases its remaining batches (the same assignment of
-        examples to batches) a second time, which that charge does not cover. Each example is in
-        at most one of them, so the second release costs at most one Gaussian of σ, charged at
-        the load (:data:`REPLAYED_EPOCH`).
+        An epoch's charge (random allocation) holds for one release of a hidden assignment
+        drawn afresh; the sampler's state makes the resumed run draw the same batches again,
+        and two releases of one assignment can reveal it. For each fixed assignment, two
+        releases are two Gaussian mechanisms of σ on each example (one batch per release), and a
+        random assignment is a mixture of those, so two Gaussians of σ per such epoch (on top of
+        what the ledger holds) cover it: every epoch begun before the load, from the one the
+        checkpoint is in (:data:`REPLAYED_EPOCH`, charged at the load).
         """
         record = self.plan.sampling_record()
         if record.kind is not SamplingKind.BALLS_IN_BINS:
-            return False
-        return steps % record.batches_per_epoch != 0
+            return 0
+        k = record.batches_per_epoch
+        return max(0, -(-reached // k) - resumed_at // k)
 
     def _load_model_and_optimizer(self, model: Any, optimizer: Any) -> None:
         """The model's state, then the wrapped optimizer's (sharded models: into each shard)."""
