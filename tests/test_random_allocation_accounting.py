@@ -79,6 +79,33 @@ def test_bound_is_never_below_a_monte_carlo_estimate_in_either_direction(t, sigm
                 assert pld.delta(epsilon) <= 1.15 * estimate + 1e-3, (t, sigma, epsilon, way)
 
 
+def test_two_steps_are_never_below_the_exact_curve_by_quadrature():
+    """t = 2, σ = 0.6: δ(ε) of each direction is a double integral over two normals, computed
+    here on a fine grid — an exact reference, also deep in removal's tail, where one large
+    coordinate (above the threshold) makes the loss."""
+    sigma, t = 0.6, 2
+    mu = 1 / sigma
+    removal, addition = PldAccountant().compose(BallsInBinsEpochEvent(sigma, t)).composed()
+    z = np.linspace(-9.0, 12.0, 3001)
+    weight = np.exp(-z * z / 2) / np.sqrt(2 * np.pi) * (z[1] - z[0])
+    tilted, plain = np.exp(mu * z + mu * mu / 2), np.exp(mu * z - mu * mu / 2)
+    both = weight[:, None] * weight[None, :]
+
+    def exact(epsilon: float, removal_way: bool) -> float:
+        if removal_way:  # E_P[(1 − e^ε·t/S)₊], S = W + Y
+            s_sum = tilted[:, None] + plain[None, :]
+            return float((both * np.clip(1 - np.exp(epsilon) * t / s_sum, 0, None)).sum())
+        s_sum = plain[:, None] + plain[None, :]  # E_Q[(1 − e^ε·S/t)₊], S = Y₁ + Y₂
+        return float((both * np.clip(1 - np.exp(epsilon) * s_sum / t, 0, None)).sum())
+
+    for epsilon in (0.5, 3.0, 5.5, 7.0, 8.0, 9.0):
+        reference = exact(epsilon, True)
+        assert reference <= removal.delta(epsilon) <= 1.05 * reference, epsilon
+    for epsilon in (0.5, 2.0, 3.5):
+        reference = exact(epsilon, False)
+        assert reference <= addition.delta(epsilon) <= 1.05 * reference + 1e-12, epsilon
+
+
 def test_windowed_lattice_of_a_long_epoch_is_never_below_a_monte_carlo_estimate():
     """t = 256 at σ = 3: the sums of more than 144·e^{1/σ²} ≈ 161 coordinates are kept on a
     window that starts above 0 (mass below it rounded up in removal, to loss +∞ in addition).
@@ -290,13 +317,8 @@ def test_a_balls_in_bins_plan_under_rdp_is_refused_before_training():
 
 
 # ---------------------------------------------------------------------------------------------
-# Known gap, pinned: a rewound run reuses an epoch's assignment (fix: train/session.py)
+# A rewound run reuses an epoch's assignment: charged as Gaussians (train/session.py)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="loading an earlier checkpoint of a balls-in-bins run redraws an epoch with the same "
-    "assignment; two amplified charges do not cover that (handoff 32-ballsinbins-rewind.md)",
-)
 def test_rewinding_charges_a_reused_assignment_as_gaussians(tmp_path):
     """k = 6: save at the boundary after epoch 1, train 2 steps into epoch 2, go back and train
     them again. Epoch 2's assignment is released twice: for each fixed assignment that is two

@@ -27,9 +27,8 @@ leaf, exactly).
 lattice hℤ: *up* for removal (ceil(Y/h)·h ≥ Y) and *down* for addition (floor(Y/h)·h ≤ Y,
 values above the top are floored to it). Removal's log-normal coordinates have heavy right
 tails (exp(Z/σ)), so it splits on a threshold c: while no coordinate exceeds c all are on the
-lattice; when exactly one does, it is rounded up on a geometric grid and the others' sum is
-replaced by the largest value the lattice keeps for it; two or more go to +∞ (mass ≤ 1e-13);
-see :func:`_removal_law`. Coupled draw by
+lattice; when exactly one does, it and the others' sum are rounded up on geometric grids;
+two or more go to +∞ (mass ≤ 1e-13); see :func:`_removal_law`. Coupled draw by
 draw, the rounded sum is ≥ S (removal) or ≤ S (addition), so every privacy loss is rounded
 *up*: the discrete PLD is the original one with mass moved to larger losses (and to +∞), which is
 again a valid PLD and dominates it, under composition too (Meiser & Mohammadi 2018; Zhu, Dong &
@@ -384,11 +383,20 @@ def allocation_pairs(mu: float, steps: int, points: int = DEFAULT_POINTS) -> All
 
 #: Mass of "two or more coordinates above the threshold", sent to +∞ in removal (bound).
 PAIR_MASS = 1e-13
-#: Geometric step (in log) of the grid on which one large coordinate is rounded up.
-_BIG_STEP = 1e-3
-#: The threshold is at least this many times the width of the bulk of the sum: replacing the
-#: other coordinates' sum by its largest kept value then raises the loss by ≤ log(1 + 1/10).
+#: Geometric step (in log) of the grids on which one large coordinate, and the sum of the
+#: others beside it, are rounded up.
+_BIG_STEP = 1e-2
+#: The threshold is at least this many bulk widths of the sum (cells, and work, stay few).
 _BIG_OVER_BULK = 10.0
+
+
+def _geometric_up(values: np.ndarray, masses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positive ``values`` rounded up on the grid v₀·e^{i·_BIG_STEP} (v₀ the smallest), with
+    their masses summed per grid value."""
+    levels = np.ceil(np.log(values / values[0]) / _BIG_STEP).astype(np.int64)
+    summed = np.bincount(levels, weights=masses)
+    keep = np.flatnonzero(summed > 0)
+    return values[0] * np.exp(keep * _BIG_STEP), summed[keep]
 
 
 def _threshold(mu: float, steps: int) -> float:
@@ -428,9 +436,9 @@ def _removal_law(mu: float, steps: int, points: int) -> tuple[np.ndarray, np.nda
 
     Split on the coordinates above a threshold c (a lattice point): none — every coordinate
     rounded up on the lattice, summed (windowed); exactly one — that coordinate rounded up on
-    a geometric grid above c, plus the largest value the window keeps for the sum of the
-    others (their law computed the same way, restricted to ≤ c); two or more — left out
-    (+∞, mass ≤ PAIR_MASS). Each branch's value is ≥ S on its event, and the events are
+    a geometric grid above c, plus the sum of the others (their law computed the same way,
+    restricted to ≤ c) rounded up on a geometric grid; two or more — left out (+∞, mass
+    ≤ PAIR_MASS). Each branch's value is ≥ S on its event, and the events are
     disjoint, so every privacy loss is rounded up.
     """
     half = mu * mu / 2
@@ -448,10 +456,13 @@ def _removal_law(mu: float, steps: int, points: int) -> tuple[np.ndarray, np.nda
     values = [(offset + np.arange(none.size)) * h]
     masses = [none]
     for (law_offset, law), shift, ways in ((without_w, half, 1), (without_y, -half, steps - 1)):
-        largest = (law_offset + law.size - 1) * h
+        # The others' sum, rounded up on a geometric grid, beside the large coordinate's cells.
+        index = np.flatnonzero(law > 0)
+        index = index[law_offset + index > 0]  # the value 0 holds only FFT round-off: dropped
+        others, weights = _geometric_up((law_offset + index) * h, law[index])
         edges, cells = _above(mu, shift, threshold)
-        values.append(largest + edges)
-        masses.append(ways * float(law.sum()) * cells)
+        values.append((edges[:, None] + others[None, :]).ravel())
+        masses.append(ways * (cells[:, None] * weights[None, :]).ravel())
     sums, mass = np.concatenate(values), np.concatenate(masses)
     return sums[sums > 0], mass[sums > 0]  # the lattice's 0 holds no mass: each Y ≥ h
 
