@@ -111,6 +111,8 @@ class CompiledStep:
         self._paths = _paths_in(model, self._params)
         self._device = next(iter(self._params.values())).device
         self._aside = _HooksAside(model)
+        #: Each module's name and attribute dict, where a forward pass could keep a tensor.
+        self._states = [(name, vars(module)) for name, module in model.named_modules()]
         self._weight_cache: dict[tuple[int, int], Tensor] = {}
         #: CUDA graphs (these modes) overwrite a graph's outputs at its next run: keep a copy.
         self._copy_loss = compile and (compile_options or {}).get("mode") in _GRAPH_MODES
@@ -139,7 +141,7 @@ class CompiledStep:
         try:
             with self._aside.set_aside(), optimizer.engine.paused():
                 sums, finite, loss = self._function(params, weights, *batch)
-            _refuse_escaped(self.model)
+            _refuse_escaped(self._states)
         except Exception as err:
             optimizer._abandon()
             raise _explained(err) from err
@@ -244,18 +246,16 @@ def _paths_in(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, st
     return {name: paths[id(p)] for name, p in params.items()}
 
 
-def _refuse_escaped(model: nn.Module) -> None:
+def _refuse_escaped(states: list[tuple[str, dict[str, Any]]]) -> None:
     """Refuse a step after which a module holds a value computed inside the per-example pass.
 
     A forward pass (or hook) that keeps a tensor on the module — ``self.last = h`` — would hand
     one step's examples to the next step's rows, outside clipping and accounting; under ``vmap``
     such a tensor is still a batched one, which is how it is recognised.
     """
-    for name, module in model.named_modules():
-        for attribute, value in vars(module).items():
-            if attribute in _NOT_STATE:
-                continue
-            if _holds_batched(value):
+    for name, attributes in states:
+        for attribute, value in attributes.items():
+            if attribute not in _NOT_STATE and _holds_batched(value):
                 where = f"{name}.{attribute}" if name else attribute
                 raise ExamplesCoupled(
                     f"the model kept a value computed from this step's examples ({where!r}, set "
