@@ -516,7 +516,8 @@ def train(
         typer.Option(
             help="How batches are drawn, where the algorithm offers a choice: dp-sgd poisson "
             "(default), truncated-poisson (static batch shape, needs --max-batch-size), "
-            "balls-in-bins (one Gaussian per epoch), shuffle (NOT Poisson: ε unproven, the card "
+            "balls-in-bins (every example once per epoch; accounted as random allocation), "
+            "shuffle (NOT Poisson: ε unproven, the card "
             "gives a lower bound) or fixed-size; dp-ftrl shuffle (default) or fixed-order; "
             "bandmf fixed-order (default) or cyclic-poisson (amplified BandMF); blt fixed-order."
         ),

@@ -474,8 +474,9 @@ class BallsInBinsSampler(EpochBatchSampler):
 
     Batch sizes are Binomial(N, 1/k) (mean N/k ≈ B; an empty batch is yielded as ``[]``), and
     each example is in exactly one batch per epoch. The assignment of a new epoch is drawn when
-    its first batch is. Accounted as one Gaussian per epoch, charged at its first step
-    (:meth:`~dpfy.plan.sampling.SamplingRecord.at_epoch_position`).
+    its first batch is. Accounted per epoch as random allocation of each example to 1 of k
+    Gaussian steps (:mod:`dpfy.plan.accounting.random_allocation`), charged at the epoch's first
+    step (:meth:`~dpfy.plan.sampling.SamplingRecord.at_epoch_position`).
     """
 
     kind = SamplingKind.BALLS_IN_BINS

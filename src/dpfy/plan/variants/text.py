@@ -45,12 +45,16 @@ CENTRAL = (
 
 
 def gaussian_accounting(clipped_sum: str) -> str:
-    """A subsampled-Gaussian accounting statement, noise on the sum of clipped ``clipped_sum``."""
+    """A Gaussian accounting statement, noise on the sum of clipped ``clipped_sum``.
+
+    How the batches were drawn (Poisson, truncated, balls-in-bins, …) and what that lets the
+    accountant charge is the sampling statement's, not this one's.
+    """
     return (
-        "Accounted with the {accountant} accountant over every recorded step: each step is the "
-        "subsampled Gaussian mechanism with noise multiplier σ = {sigma:.6g} (noise std "
-        f"σ·sensitivity on the sum of clipped {clipped_sum}, decoupled from C, guide §4.2) at "
-        "sampling rate q = {q:.6g}."
+        "Accounted with the {accountant} accountant over every recorded step: each step adds "
+        "Gaussian noise with noise multiplier σ = {sigma:.6g} (noise std "
+        f"σ·sensitivity on the sum of clipped {clipped_sum}, decoupled from C, guide §4.2) to a "
+        "batch drawn at rate q = {q:.6g}, charged as the sampling below states."
     )
 
 
