@@ -5,6 +5,7 @@ changed when it is not the loader's batch whole and unchanged."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -555,3 +556,18 @@ def test_a_gradient_hook_added_after_make_private_is_refused():
 def test_correlated_noise_runs_have_static_shapes_and_may_compile():
     private = _run(algorithm="dp-ftrl", sampler=None, epochs=1)
     assert private.compiled_step(compile=True) is not None  # compiles at its first step
+
+
+def test_a_large_per_example_gradient_is_named_once(monkeypatch):
+    """Past LARGE_PER_EXAMPLE elements the step says the hooked step is likely faster, once."""
+    from dpfy.train import compiled_step
+
+    monkeypatch.setattr(compiled_step, "LARGE_PER_EXAMPLE", 100)
+    private = _run()
+    step = private.compiled_step(compile=False)
+    batches = iter(private.loader)
+    with pytest.warns(UserWarning, match="hooked step .* is likely faster"):
+        step(*next(batches))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(*next(batches))

@@ -29,6 +29,7 @@ What it guarantees, by construction or by check, before anything changes:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -114,6 +115,7 @@ class CompiledStep:
         #: Each module's name and attribute dict, where a forward pass could keep a tensor.
         self._states = [(name, vars(module)) for name, module in model.named_modules()]
         self._weight_cache: dict[tuple[int, int], Tensor] = {}
+        self._sized = False  # whether the per-example gradients' size was looked at
         #: CUDA graphs (these modes) overwrite a graph's outputs at its next run: keep a copy.
         self._copy_loss = compile and (compile_options or {}).get("mode") in _GRAPH_MODES
         function = _clipped_sum(model, criterion, optimizer.plan.max_grad_norm)
@@ -135,6 +137,9 @@ class CompiledStep:
         optimizer._guarded(refuse_gradient_hooks, self._params)  # their change would be lost
         rows = int(batch[0].shape[0])
         examples = _examples(drawn, rows, batch)
+        if not self._sized:
+            self._sized = True
+            _warn_if_large(rows, self._params)
         weights = self._weights(rows, examples)
         batch = tuple(t.to(self._device, non_blocking=True) for t in batch)  # the loader's, moved
         params = {self._paths[name]: p.detach() for name, p in self._params.items()}
@@ -198,6 +203,27 @@ class CompiledStep:
         return f"CompiledStep({how}, {self.optimizer!r})"
 
 
+#: Per-example gradient elements (rows × trainable parameters) above which the hooked step,
+#: which never holds them all (per-layer rules, ghost norms), is usually the faster one
+#: (docs/performance.md: an MLP of 670 k parameters at B = 256 ran 29× non-private compiled,
+#: 1.6× hooked).
+LARGE_PER_EXAMPLE = 1 << 24
+
+
+def _warn_if_large(rows: int, params: dict[str, nn.Parameter]) -> None:
+    """Say once when the step would hold a large tensor of per-example gradients."""
+    elements = rows * sum(p.numel() for p in params.values())
+    if elements > LARGE_PER_EXAMPLE:
+        warnings.warn(
+            f"the compiled step holds every example's gradient: {rows} rows × "
+            f"{elements // rows:,} parameters = {elements * 4 / 2**20:,.0f} MiB in float32 per "
+            "step. It pays on small models; on this one the hooked step (loss.backward(); "
+            "optimizer.step()), which never holds them all, is likely faster",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _check_fits(optimizer: DPOptimizer, compile: bool) -> None:
     """Refuse a run this step cannot take exactly (one clear message each)."""
     if optimizer.clipping_unit != "example":
@@ -253,9 +279,16 @@ def _refuse_escaped(states: list[tuple[str, dict[str, Any]]]) -> None:
     one step's examples to the next step's rows, outside clipping and accounting; under ``vmap``
     such a tensor is still a batched one, which is how it is recognised.
     """
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     for name, attributes in states:
         for attribute, value in attributes.items():
-            if attribute not in _NOT_STATE and _holds_batched(value):
+            if isinstance(value, Tensor):
+                escaped = wrapped(value)
+            elif isinstance(value, _CONTAINERS) and attribute not in _NOT_STATE:
+                escaped = _holds_batched(value)
+            else:
+                continue
+            if escaped:
                 where = f"{name}.{attribute}" if name else attribute
                 raise ExamplesCoupled(
                     f"the model kept a value computed from this step's examples ({where!r}, set "
@@ -266,8 +299,25 @@ def _refuse_escaped(states: list[tuple[str, dict[str, Any]]]) -> None:
                 )
 
 
-#: A module's own attributes that are not state a forward pass writes (hooks, children).
-_NOT_STATE = frozenset({"_modules", *_HOOK_TABLES})
+#: Containers a kept tensor could sit in.
+_CONTAINERS = (dict, list, tuple, set)
+#: A module's own containers that cannot hold a kept tensor of the pass: children, parameters
+#: (assigning a plain tensor to one is refused by torch) and the hook tables.
+_NOT_STATE = frozenset(
+    {
+        "_modules",
+        "_parameters",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks_with_kwargs",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_non_persistent_buffers_set",
+        *_HOOK_TABLES,
+    }
+)
 
 
 def _holds_batched(value: Any, depth: int = 2) -> bool:
