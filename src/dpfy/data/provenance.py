@@ -109,8 +109,8 @@ class Provenance:
                     "this step was given tensors that are not the private loader's last batch "
                     "(a copy, a slice, a tensor moved to another device or dtype, or a batch "
                     "made by hand), so which examples it holds is not what the sampler drew; "
-                    "pass the batch exactly as `for batch in private.loader:` handed it out "
-                    "(move data to the device in the dataset or collate_fn). Nothing was changed"
+                    "pass the batch exactly as `for batch in private.loader:` handed it out (the "
+                    "step moves it to the model's device itself). Nothing was changed"
                 )
             if tensor._version != held[id(tensor)]:
                 raise BatchRefused(

@@ -176,8 +176,7 @@ class CompiledStep:
         """
         weights = self._weight_cache.get((rows, examples))
         if weights is None:
-            device = next(iter(self._params.values())).device
-            weights = torch.zeros(rows, device=device)
+            weights = torch.zeros(rows, device=self._device)
             weights[:examples] = self.optimizer.aggregation.scale
             self._weight_cache[(rows, examples)] = weights
         return weights

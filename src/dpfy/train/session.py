@@ -44,7 +44,8 @@ REWOUND = "rewound steps"
 #: The label of the steps a session took before it loaded another run's checkpoint: released on
 #: the same data, so they stay in its ledger.
 SPENT_BEFORE_LOAD = "steps before loading another run's checkpoint"
-#: The label of a balls-in-bins epoch's batches released again after going back inside it.
+#: The label of the balls-in-bins epochs a load makes the run release again with the same
+#: assignment of examples to batches (charged two Gaussians of σ each, at the load).
 REPLAYED_EPOCH = "balls-in-bins epochs released again with their assignment after going back"
 
 
@@ -114,7 +115,8 @@ class PrivateTraining:
         Per-example gradients come from ``torch.func`` (each example alone) and, with
         ``compile=True``, the clip-and-sum is compiled by ``torch.compile`` once per batch shape,
         so it needs a sampler whose batches all have the same rows
-        (``sampler="truncated-poisson"`` with ``max_batch_size``, or ``"fixed-size"``).
+        (``sampler="truncated-poisson"`` with ``max_batch_size``, ``"fixed-size"``, or the
+        epoch orders of DP-FTRL, BandMF and BLT); ``compile=False`` runs it eagerly.
         ``criterion`` defaults to the one given to make_private; ``compile_options`` go to
         ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``). Use it instead of
         ``loss.backward(); optimizer.step()``, with the loader's batches as handed out::
