@@ -22,7 +22,6 @@ from dpfy.plan.accounting.events import (
     SelfComposedEvent,
 )
 from dpfy.plan.sampling import SamplingKind, SamplingRecord
-from dpfy.plan.variants import PlanRequest, make_plan
 
 
 def _epochs(sampler: BallsInBinsSampler, epochs: int) -> list[list[list[int]]]:
@@ -114,27 +113,6 @@ def test_trained_epsilon_is_one_gaussian_per_begun_epoch_by_dp_accounting():
     assert private.ledger.epsilon() == pytest.approx(charged, rel=1e-6)
     assert private.ledger.epsilon() < reference.get_epsilon(1e-5)
     assert private.ledger.steps == 14
-
-
-@pytest.mark.slow  # full-precision looks at several σ, each a new epoch lattice
-def test_plan_calibrates_on_the_epochs_it_charges():
-    plan = make_plan(
-        PlanRequest(
-            records=10_000,
-            batch_size=100,
-            delta=1e-6,
-            max_grad_norm=1.0,
-            epochs=3,
-            target_epsilon=4.0,
-            sampler="balls-in-bins",
-        )
-    )
-    eps = (
-        make_accountant("pld")
-        .compose(SelfComposedEvent(BallsInBinsEpochEvent(plan.noise_multiplier, 100), 3))
-        .epsilon(1e-6)
-    )
-    assert eps <= 4.0 and eps == pytest.approx(4.0, rel=1e-2)
 
 
 def test_make_sampler_builds_balls_in_bins():

@@ -42,7 +42,6 @@ from dpfy.data.coupling import ExamplesCoupled
 from dpfy.data.provenance import BatchRefused, DrawnBatch
 from dpfy.plan.sampling import SamplingKind
 from dpfy.train.distributed import LocalAggregator
-from dpfy.train.grads.hooks import refuse_gradient_hooks
 from dpfy.train.grads.precision import compute_dtype
 from dpfy.train.optim import DPOptimizer, NonFiniteGradientError
 
@@ -134,7 +133,6 @@ class CompiledStep:
             )
         optimizer = self.optimizer
         drawn = optimizer.take_handed(batch)
-        optimizer._guarded(refuse_gradient_hooks, self._params)  # their change would be lost
         rows = int(batch[0].shape[0])
         examples = _examples(drawn, rows, batch)
         if not self._sized:
@@ -148,10 +146,10 @@ class CompiledStep:
                 sums, finite, loss = self._function(params, weights, *batch)
             _refuse_escaped(self._states)
         except Exception as err:
-            optimizer._abandon()
+            optimizer.abandon()
             raise _explained(err) from err
         if not bool(finite):
-            optimizer._abandon()
+            optimizer.abandon()
             raise NonFiniteGradientError(
                 "a per-example gradient is NaN or infinite (a non-finite loss, or a padding row "
                 "whose loss is not finite); the step was not applied and the model and ledger "
@@ -204,8 +202,7 @@ class CompiledStep:
 
 #: Per-example gradient elements (rows × trainable parameters) above which the hooked step,
 #: which never holds them all (per-layer rules, ghost norms), is usually the faster one
-#: (docs/performance.md: an MLP of 670 k parameters at B = 256 ran 29× non-private compiled,
-#: 1.6× hooked).
+#: (measured in docs/performance.md, "The compiled step").
 LARGE_PER_EXAMPLE = 1 << 24
 
 

@@ -45,6 +45,7 @@ from dpfy.train.accumulation import Accumulation
 from dpfy.train.behaviour.checks import BehaviourChecks
 from dpfy.train.distributed import GradientAggregator, LocalAggregator
 from dpfy.train.grads import ClipResult, GradEngine, NoiseStart
+from dpfy.train.grads.hooks import refuse_gradient_hooks
 from dpfy.train.ledger import PrivacyLedger
 from dpfy.train.noise.mechanisms import NoiseMechanism
 from dpfy.train.noise.source import NoiseSource, TorchNoise
@@ -190,7 +191,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for observe in self.clip_observers:  # diagnostics only: never fed back into training
             observe(result)
         if not bool(torch.isfinite(result.norms).all()):
-            self._abandon()
+            self.abandon()
             raise NonFiniteGradientError(
                 "a per-example gradient is NaN or infinite (a non-finite loss?); the step was not "
                 "applied and the model and ledger are unchanged — check the inputs and the loss, "
@@ -274,6 +275,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "changed"
             )
         self._check_updated_params()
+        refuse_gradient_hooks(self.engine.params)  # a hook's change would be lost
         handed = self.provenance.check_handed(tensors)
         batch = self.provenance.check({handed.number})
         self._check_batch_fits(batch, closes=True)
@@ -318,7 +320,7 @@ class DPOptimizer(torch.optim.Optimizer):
         try:
             return check(*args, **kwargs)
         except Exception:
-            self._abandon()
+            self.abandon()
             raise
 
     def _explained(self, stage: Callable[..., Any], *args: Any) -> Any:
@@ -331,7 +333,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise
             raise explained from err
 
-    def _abandon(self) -> None:
+    def abandon(self) -> None:
         """Forget the logical batch in progress (its sum and captures); the model is untouched."""
         self.engine.reset()
         self.engine.discard_captures()
